@@ -1,0 +1,310 @@
+"""The software cache: a host table behind a device cache of a fixed number of rows.
+
+Host side (pinned when CUDA exists): the full table, the optimizer state of every row, and every id's access
+count. Device side, all O(cache rows): the cached rows and their optimizer state, slot -> id, per-slot count,
+last use and dirty bit, and a sorted id index for lookups. Past the C cache slots sit `spill` slots: when a
+batch's unique ids cannot all be resident at once, the rest are served through the spill slots for that batch
+and written back before the next one, so a batch of any size gives the exact result.
+
+Every per-batch step works on fixed-capacity buffers with device-side counts, so on CUDA no step needs a host
+sync. On CPU the counts are read on the host (free there) to skip work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cachedemb import kernels
+from cachedemb.kernels import EMPTY_KEY
+from cachedemb.policy import Policy, SlotView, resolve
+
+STAT_NAMES = ("lookups", "unique", "hits", "misses", "evictions", "rows_in", "rows_out")
+_STAT = {name: i for i, name in enumerate(STAT_NAMES)}
+
+
+@dataclass
+class BatchPlan:
+    """Where one batch's rows sit for its forward and backward."""
+
+    uniq: torch.Tensor  # [B] unique ids ascending, then -1
+    inverse: torch.Tensor  # [B] unique position of each lookup, -1 for padding
+    counts: torch.Tensor  # [B] occurrences of each unique id
+    n_uniq: torch.Tensor  # [1]
+    loc_u: torch.Tensor  # [B] row (cache or spill slot) of each unique id, -1 past n_uniq
+    generation: int  # the cache generation the locations belong to
+
+
+def pinned_empty(shape, dtype) -> torch.Tensor:
+    """Host memory the GPU can DMA from (and address directly); plain memory without CUDA."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+class EmbeddingCache:
+    """Host table + per-row optimizer state + access counts, behind `capacity` device rows."""
+
+    def __init__(self, host_weight: torch.Tensor, capacity: int, device: torch.device,
+                 state_layout: dict[str, tuple[int, float]], policy: str | Policy = "lfu",
+                 host_freq: torch.Tensor | None = None):
+        num_rows, dim = host_weight.shape
+        if not 1 <= capacity <= max(num_rows, 1):
+            raise ValueError(f"cache capacity must be in [1, {num_rows}] rows, got {capacity}")
+        self.num_rows, self.dim, self.capacity = num_rows, dim, int(capacity)
+        self.device = torch.device(device)
+        self.dtype = host_weight.dtype
+        self.policy: Policy = resolve(policy)
+        self.host_weight = host_weight
+        self.host_states: dict[str, torch.Tensor] = {}
+        self.state_init: dict[str, float] = {}
+        for name, (cols, init) in state_layout.items():
+            state = pinned_empty((num_rows, cols), torch.float32)
+            state.fill_(init)
+            self.host_states[name] = state
+            self.state_init[name] = init
+        self.host_freq = pinned_empty((num_rows,), torch.int64)
+        if host_freq is None:
+            self.host_freq.zero_()
+        else:
+            self.host_freq.copy_(host_freq)
+        # The cached rows are a Parameter so the module can expose them to a torch optimizer.
+        self.rows = nn.Parameter(torch.empty(0, dim, dtype=self.dtype, device=self.device), requires_grad=False)
+        self.spill_capacity = 0
+        self.generation = 0
+        self.batch_counter = 0
+        self._allocate(self.capacity)
+        self.stats = torch.zeros(len(STAT_NAMES), dtype=torch.int64, device=self.device)
+
+    # ----------------------------------------------------------------- device buffers
+    def _allocate(self, slots: int) -> None:
+        dev = self.device
+        self.rows.data = torch.zeros(slots, self.dim, dtype=self.dtype, device=dev)
+        self.states = {name: torch.zeros(slots, h.shape[1], device=dev) for name, h in self.host_states.items()}
+        # Per-slot metadata has one trailing "dump" element: masked scatters write there instead of syncing.
+        self.slot_ids = torch.full((slots + 1,), -1, dtype=torch.int64, device=dev)
+        self.slot_freq = torch.zeros(slots + 1, dtype=torch.int64, device=dev)
+        self.slot_last_use = torch.zeros(slots + 1, dtype=torch.int64, device=dev)
+        self.dirty = torch.zeros(slots + 1, dtype=torch.bool, device=dev)
+        self.next_use = torch.full((self.capacity,), -1, dtype=torch.int64, device=dev)
+        self.protected = torch.zeros(self.capacity + 1, dtype=torch.bool, device=dev)
+        self.index_keys = torch.full((self.capacity,), EMPTY_KEY, dtype=torch.int64, device=dev)
+        self.index_slots = torch.arange(self.capacity, dtype=torch.int64, device=dev)
+
+    def _grow_spill(self, spill: int) -> None:
+        """Make room for `spill` rows past the cache slots (only ever grows; spill slots are empty here)."""
+        if spill <= self.spill_capacity:
+            return
+        old = self.capacity + self.spill_capacity
+        new = self.capacity + spill
+        keep = slice(0, self.capacity)
+
+        def grown(t, fill):
+            out = torch.full((new + (t.shape[0] - old),) + tuple(t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+            out[keep] = t[keep]
+            return out
+
+        self.rows.data = grown(self.rows.data, 0)
+        self.states = {k: grown(v, 0) for k, v in self.states.items()}
+        self.slot_ids = grown(self.slot_ids, -1)
+        self.slot_freq = grown(self.slot_freq, 0)
+        self.slot_last_use = grown(self.slot_last_use, 0)
+        self.dirty = grown(self.dirty, False)
+        self.spill_capacity = spill
+
+    @property
+    def total_slots(self) -> int:
+        return self.capacity + self.spill_capacity
+
+    @property
+    def dump(self) -> int:
+        return self.total_slots
+
+    def _on_host(self, count: torch.Tensor, upper: int) -> int:
+        """A device count as a host int where that costs no sync (CPU); else its static upper bound."""
+        if count.device.type == "cpu":
+            return int(count)
+        return upper
+
+    def _bump_stats(self, **values: torch.Tensor) -> None:
+        idx = torch.tensor([_STAT[k] for k in values], device=self.device)
+        vals = torch.stack([v.reshape(()).to(torch.int64) for v in values.values()])
+        self.stats.index_add_(0, idx, vals)
+
+    # ----------------------------------------------------------------- row movement
+    def _row_tensors(self):
+        """(device tensor, host tensor) pairs that move together when a row moves."""
+        pairs = [(self.rows.data, self.host_weight)]
+        pairs += [(self.states[k], self.host_states[k]) for k in self.host_states]
+        return pairs
+
+    def _write_back(self, slots: torch.Tensor, n) -> torch.Tensor:
+        """Write the first n `slots` back to the host: rows and state if dirty, counts always.
+        Returns the number of dirty rows written ([1] tensor)."""
+        ids = self.slot_ids[slots]
+        dirty = self.dirty[slots] & (ids >= 0)
+        live = torch.arange(slots.numel(), device=self.device) < n
+        dirty_ids = torch.where(dirty, ids, torch.full_like(ids, -1))
+        for dev_t, host_t in self._row_tensors():
+            kernels.row_copy(dev_t, slots, host_t, dirty_ids, n)
+        kernels.row_copy(self.slot_freq, slots, self.host_freq, ids, n)
+        return (dirty & live).sum().reshape(1)
+
+    def _fill(self, ids: torch.Tensor, slots: torch.Tensor, n) -> None:
+        """Gather rows, state and counts of the first n `ids` from the host into `slots`."""
+        for dev_t, host_t in self._row_tensors():
+            kernels.row_copy(host_t, ids, dev_t, slots, n)
+        kernels.row_copy(self.host_freq, ids, self.slot_freq, slots, n)
+
+    def _masked_put(self, target: torch.Tensor, index: torch.Tensor, values, n) -> None:
+        """target[index[i]] = values[i] for i < n, without a host sync (the rest go to the dump element)."""
+        live = torch.arange(index.numel(), device=index.device) < n
+        index = torch.where(live & (index >= 0), index, torch.full_like(index, self.dump))
+        target.index_put_((index,), values if torch.is_tensor(values) else torch.tensor(values, device=index.device))
+
+    def _rebuild_index(self) -> None:
+        ids = self.slot_ids[: self.capacity]
+        keys = torch.where(ids >= 0, ids, torch.full_like(ids, EMPTY_KEY))
+        self.index_keys, self.index_slots = torch.sort(keys)
+
+    def _flush_spill(self) -> None:
+        """Write back the spill rows of the previous batch and empty the spill slots."""
+        if self.spill_capacity == 0:
+            return
+        spill_slots = torch.arange(self.capacity, self.total_slots, device=self.device)
+        written = self._write_back(spill_slots, self.spill_capacity)
+        self._bump_stats(rows_out=written)
+        self.slot_ids[self.capacity:self.total_slots] = -1
+        self.dirty[self.capacity:self.total_slots] = False
+
+    # ----------------------------------------------------------------- per-batch planning
+    def prepare(self, ids: torch.Tensor, padding_idx: int | None = None, train: bool = True) -> BatchPlan:
+        """Make every id of the batch addressable on the device; returns where each unique id sits.
+
+        Hits stay where they are (protected for this batch); misses take the policy's victims, and those that
+        cannot fit go to spill slots. Counts and recency are updated only when `train`.
+        """
+        ids = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
+        n_lookups = ids.numel()
+        self._flush_spill()
+        self.generation += 1
+        self.batch_counter += 1
+        dev = self.device
+        uniq, inverse, counts, n_uniq = kernels.unique_ids(ids, padding_idx)
+        slot = kernels.slot_lookup(self.index_keys, self.index_slots, uniq, n_uniq)
+        positions = torch.arange(n_lookups, device=dev)
+        live = positions < n_uniq
+        is_hit = live & (slot >= 0)
+        is_miss = live & (slot < 0)
+        n_hit = is_hit.sum().reshape(1)
+        n_miss = is_miss.sum().reshape(1)
+
+        # Protect this batch's hits (plus anything an in-flight batch protected) and pick victims.
+        protected = self.protected.clone()
+        protected.index_fill_(0, torch.where(is_hit, slot, torch.full_like(slot, self.capacity)), True)
+        protected = protected[: self.capacity]
+        n_free = (self.capacity - protected.sum()).reshape(1)
+        n_admit = torch.minimum(n_miss, n_free)
+        miss_count = self._on_host(n_miss, n_lookups)
+        # Spill slots needed: on CPU exactly; on CUDA the bound that holds without extra protection.
+        spill_needed = (
+            miss_count - int(n_admit) if dev.type == "cpu" else max(0, n_lookups - self.capacity)
+        )
+        self._grow_spill(spill_needed)
+        k = max(1, min(miss_count, self.capacity))
+        view = SlotView(self.slot_ids[: self.capacity], self.slot_freq[: self.capacity],
+                        self.slot_last_use[: self.capacity], self.next_use, protected)
+        victims = kernels.victim_select(self.policy(view), k) if miss_count > 0 else None
+
+        # Rank the misses; rank r < n_admit takes victim r, the rest go to spill slots in order.
+        rank = torch.cumsum(is_miss, 0) - 1
+        if victims is not None:
+            from_victim = victims[rank.clamp(min=0, max=k - 1)]
+            dest = torch.where(rank < n_admit, from_victim, self.capacity + rank - n_admit)
+        else:
+            dest = torch.full_like(rank, -1)
+        loc_u = torch.where(is_hit, slot, torch.where(is_miss, dest, torch.full_like(slot, -1)))
+
+        if miss_count > 0:
+            rank_slot = torch.where(is_miss, rank, torch.full_like(rank, n_lookups))
+            miss_ids = torch.full((n_lookups + 1,), -1, dtype=torch.int64, device=dev)
+            miss_dest = torch.full((n_lookups + 1,), -1, dtype=torch.int64, device=dev)
+            miss_ids.index_put_((rank_slot,), uniq)
+            miss_dest.index_put_((rank_slot,), dest)
+            evicted = ((self.slot_ids[victims] >= 0) & (torch.arange(k, device=dev) < n_admit)).sum().reshape(1)
+            written = self._write_back(victims, n_admit)
+            self._fill(miss_ids, miss_dest, n_miss)
+            self._masked_put(self.slot_ids, miss_dest, miss_ids, n_miss)
+            self._masked_put(self.dirty, miss_dest, torch.zeros_like(miss_dest, dtype=torch.bool), n_miss)
+            self._rebuild_index()
+            self._bump_stats(evictions=evicted, rows_out=written)
+        self._bump_stats(lookups=(inverse >= 0).sum(), unique=n_uniq, hits=n_hit, misses=n_miss, rows_in=n_miss)
+        if train:
+            dumped = torch.where(live, loc_u, torch.full_like(loc_u, self.dump))
+            self.slot_freq.index_add_(0, dumped, counts)
+            self.slot_last_use.index_fill_(0, dumped, self.batch_counter)
+        return BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation)
+
+    def mark_dirty(self, plan: BatchPlan) -> None:
+        live = torch.arange(plan.loc_u.numel(), device=self.device) < plan.n_uniq
+        self.dirty.index_fill_(0, torch.where(live, plan.loc_u, torch.full_like(plan.loc_u, self.dump)), True)
+
+    # ----------------------------------------------------------------- whole-cache operations
+    def flush(self) -> None:
+        """Write every dirty row (and its state) back to the host; the cache keeps its contents."""
+        slots = torch.arange(self.total_slots, device=self.device)
+        written = self._write_back(slots, self.total_slots)
+        self._bump_stats(rows_out=written)
+        self.dirty.zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def reload(self) -> None:
+        """Re-read every resident row from the host (after the host table was replaced); nothing is dirty.
+        Spill rows are dropped, so a batch planned before this can no longer run its backward."""
+        self.generation += 1
+        slots = torch.arange(self.capacity, device=self.device)
+        ids = self.slot_ids[: self.capacity]
+        self.slot_ids[self.capacity:] = -1
+        self.dirty.zero_()
+        self._fill(ids, slots, self.capacity)
+
+    def preload(self, ids: torch.Tensor) -> None:
+        """Place `ids` (distinct, at most `capacity`) into the first slots of an empty cache."""
+        ids = ids.to(device=self.device, dtype=torch.int64)
+        if ids.numel() > self.capacity:
+            raise ValueError(f"cannot preload {ids.numel()} rows into a cache of {self.capacity}")
+        slots = torch.arange(ids.numel(), device=self.device)
+        self._fill(ids, slots, ids.numel())
+        self.slot_ids[: ids.numel()] = ids
+        self._rebuild_index()
+
+    def move_to(self, device: torch.device) -> None:
+        """Move the device side; the host table stays where it is (pinned if the target is CUDA)."""
+        device = torch.device(device)
+        if device == self.device:
+            return
+        self.flush()
+        if device.type == "cuda" and not self.host_weight.is_pinned():
+            self.host_weight = self.host_weight.pin_memory()
+            self.host_states = {k: v.pin_memory() for k, v in self.host_states.items()}
+            self.host_freq = self.host_freq.pin_memory()
+        self.device = device
+        self.rows.data = self.rows.data.to(device)
+        for name in ("slot_ids", "slot_freq", "slot_last_use", "dirty", "next_use", "protected",
+                     "index_keys", "index_slots", "stats"):
+            setattr(self, name, getattr(self, name).to(device))
+        self.states = {k: v.to(device) for k, v in self.states.items()}
+
+    def row_bytes(self) -> int:
+        return self.dim * self.host_weight.element_size() + sum(
+            t.shape[1] * t.element_size() for t in self.host_states.values())
+
+    def stats_dict(self) -> dict[str, int]:
+        """The counters as host ints (a host sync on CUDA)."""
+        values = dict(zip(STAT_NAMES, self.stats.tolist()))
+        values["bytes_in"] = values["rows_in"] * (self.row_bytes() + 8)
+        values["bytes_out"] = values["rows_out"] * self.row_bytes()
+        return values
+
+    def reset_stats(self) -> None:
+        self.stats.zero_()

@@ -1,0 +1,319 @@
+"""CachedEmbeddingBag: nn.EmbeddingBag's interface over a host-resident table with a device cache."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from cachedemb import kernels
+from cachedemb.cache import BatchPlan, EmbeddingCache, pinned_empty
+from cachedemb.input_check import BagInput, normalize_bag_input
+from cachedemb.optim import SparseOptimizer
+from cachedemb.policy import Policy
+
+_STEP_KEY = "optimizer.step"
+
+
+class _PooledLookup(torch.autograd.Function):
+    """Pooled forward over cache rows; backward either applies the fused optimizer in place (and returns no
+    gradient for the rows) or hands the rows' gradient to autograd (optimizer=None)."""
+
+    @staticmethod
+    def forward(ctx, owner, plan: BatchPlan, bags: BagInput, rows, psw, anchor):
+        out, max_pos = kernels.pooled_forward(rows, plan.loc_u, plan.inverse, bags.offsets, bags.mode, psw)
+        ctx.owner, ctx.plan, ctx.bags, ctx.max_pos = owner, plan, bags, max_pos
+        ctx.save_for_backward(psw)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        owner: CachedEmbeddingBag = ctx.owner
+        plan, bags = ctx.plan, ctx.bags
+        (psw,) = ctx.saved_tensors
+        cache = owner.cache
+        if plan.generation != cache.generation:
+            raise RuntimeError(
+                "CachedEmbeddingBag: backward of a batch whose cache rows were moved by a later forward "
+                f"(batch generation {plan.generation}, cache generation {cache.generation}). Run backward "
+                "before the next forward of the same module."
+            )
+        grad_out = grad_out.contiguous()
+        rows = cache.rows.data
+        grad_psw = None
+        if psw is not None and ctx.needs_input_grad[4]:
+            grad_psw = kernels.per_sample_weights_grad(grad_out, rows, plan.loc_u, plan.inverse, bags.offsets)
+            grad_psw = grad_psw.to(psw.dtype)
+        psw_values = psw.detach().reshape(-1) if psw is not None else None
+        grad_rows = None
+        if owner.optimizer is not None:
+            owner.optimizer_step += 1
+            rule = owner.optimizer.rule(owner.optimizer_step)
+            states = [cache.states[name] for name in cache.host_states]
+            kernels.backward_update(rows, states, plan.loc_u, plan.n_uniq, grad_out, plan.inverse,
+                                    bags.offsets, bags.mode, psw_values, ctx.max_pos, rule)
+            cache.mark_dirty(plan)
+        elif ctx.needs_input_grad[3]:
+            grad_u = kernels.bag_backward_torch(grad_out, plan.inverse, bags.offsets, bags.mode, psw_values,
+                                                ctx.max_pos)
+            grad_rows = owner._rows_grad(plan, grad_u)
+        return None, None, None, grad_rows, grad_psw, None
+
+
+class CachedEmbeddingBag(nn.Module):
+    """A drop-in `nn.EmbeddingBag` whose full table (and every row's optimizer state) lives in host memory,
+    pinned when CUDA exists, while a device cache holds `cache_rows` (default `cache_ratio` of the rows).
+
+    Results equal `nn.EmbeddingBag` on the full table for every mode and input form, at any cache size:
+    a batch with more unique ids than the cache is served through spill slots. With `optimizer=` one of
+    `cachedemb.optim` the touched rows are updated inside backward (fused, one step per backward), with state
+    kept per id, so training equals full-table training. With `optimizer=None` the cached rows are the
+    Parameter `cache_weight` and a plain `torch.optim.SGD(model.parameters())` trains exactly like
+    nn.EmbeddingBag — but a *stateful* torch optimizer (momentum, Adam, Adagrad, weight decay) would keep its
+    state per cache slot, not per id, and leak it to whichever id reuses the slot: use `cachedemb.optim`.
+    In that mode call `optimizer.step()` after each backward (no gradient accumulation across batches).
+
+    Example (mode="sum")::
+
+        >>> emb = CachedEmbeddingBag(10, 3, mode="sum", cache_rows=2)
+        >>> input = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9])   # 8 ids
+        >>> offsets = torch.tensor([0, 4])                    # bag 0 = ids[0:4], bag 1 = ids[4:8]
+        >>> emb(input, offsets).shape                          # 2 bags, 4 distinct rows each > 2 cached rows
+        torch.Size([2, 3])
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean",
+                 sparse: bool = False, _weight: torch.Tensor | None = None, include_last_offset: bool = False,
+                 padding_idx: int | None = None, device=None, dtype=None, *, cache_ratio: float = 0.01,
+                 cache_rows: int | None = None, optimizer: SparseOptimizer | None = None,
+                 id_freq: torch.Tensor | None = None, warmup_ratio: float = 0.7, policy: str | Policy = "lfu",
+                 validate_inputs: bool = True):
+        super().__init__()
+        self._check_args(num_embeddings, embedding_dim, max_norm, scale_grad_by_freq, mode, cache_ratio,
+                         cache_rows, optimizer, warmup_ratio, _weight)
+        self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        self.max_norm, self.norm_type, self.scale_grad_by_freq = max_norm, norm_type, scale_grad_by_freq
+        self.mode, self.sparse, self.include_last_offset = mode, sparse, include_last_offset
+        self.padding_idx = self._check_padding_idx(padding_idx)
+        self.optimizer, self.optimizer_step = optimizer, 0
+        self.validate_inputs = validate_inputs
+        dtype = dtype or (_weight.dtype if _weight is not None else torch.get_default_dtype())
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        if device is None:
+            device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        capacity = int(cache_rows) if cache_rows is not None else math.ceil(cache_ratio * num_embeddings)
+        capacity = max(1, min(capacity, num_embeddings))
+        host_weight = self._host_table(_weight, dtype)
+        freq = self._check_id_freq(id_freq)
+        state_layout = optimizer.state_layout(embedding_dim) if optimizer is not None else {}
+        self.cache = EmbeddingCache(host_weight, capacity, torch.device(device), state_layout, policy, freq)
+        self.cache_weight = self.cache.rows
+        self.cache_weight.requires_grad_(optimizer is None and not getattr(self, "_frozen", False))
+        # Fused mode: a zero-size tensor that requires grad makes autograd call our backward.
+        self._anchor = torch.zeros(0, requires_grad=True)
+        if freq is not None and warmup_ratio > 0:
+            hottest = min(int(warmup_ratio * capacity), num_embeddings)
+            if hottest > 0:
+                self.cache.preload(torch.topk(freq, hottest, sorted=True).indices.sort().values)
+
+    # ----------------------------------------------------------------- construction helpers
+    @staticmethod
+    def _check_args(num_embeddings, embedding_dim, max_norm, scale_grad_by_freq, mode, cache_ratio,
+                    cache_rows, optimizer, warmup_ratio, weight):
+        if not isinstance(num_embeddings, int) or num_embeddings < 1:
+            raise ValueError(f"num_embeddings must be a positive int, got {num_embeddings!r}")
+        if not isinstance(embedding_dim, int) or embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+        if max_norm is not None:
+            raise NotImplementedError("max_norm is not supported by CachedEmbeddingBag (it would renormalize "
+                                      "host rows in forward); renormalize the table yourself or leave it None")
+        if scale_grad_by_freq:
+            raise NotImplementedError("scale_grad_by_freq=True is not supported by CachedEmbeddingBag")
+        if mode not in kernels.MODES:
+            raise ValueError(f"mode must be one of {sorted(kernels.MODES)}, got {mode!r}")
+        if cache_rows is None and not (isinstance(cache_ratio, (int, float)) and 0 < cache_ratio <= 1):
+            raise ValueError(f"cache_ratio must be in (0, 1], got {cache_ratio!r}")
+        if cache_rows is not None and (not isinstance(cache_rows, int) or cache_rows < 1):
+            raise ValueError(f"cache_rows must be a positive int, got {cache_rows!r}")
+        if optimizer is not None and not isinstance(optimizer, SparseOptimizer):
+            raise TypeError(f"optimizer must be a cachedemb.optim spec (SGD, Adagrad, RowWiseAdagrad, Adam) or "
+                            f"None, got {type(optimizer).__name__}; torch.optim optimizers go on parameters()")
+        if not 0 <= warmup_ratio <= 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1], got {warmup_ratio!r}")
+        if weight is not None and tuple(weight.shape) != (num_embeddings, embedding_dim):
+            raise ValueError(f"_weight must have shape ({num_embeddings}, {embedding_dim}), "
+                             f"got {tuple(weight.shape)}")
+
+    def _check_padding_idx(self, padding_idx):
+        if padding_idx is None:
+            return None
+        n = self.num_embeddings
+        if not -n <= padding_idx < n:
+            raise ValueError(f"padding_idx must be within [-{n}, {n}), got {padding_idx}")
+        return padding_idx + n if padding_idx < 0 else padding_idx
+
+    def _check_id_freq(self, id_freq):
+        if id_freq is None:
+            return None
+        freq = torch.as_tensor(id_freq)
+        if freq.shape != (self.num_embeddings,) or freq.is_floating_point():
+            raise ValueError(f"id_freq must be an integer tensor of shape ({self.num_embeddings},), "
+                             f"got {freq.dtype} {tuple(freq.shape)}")
+        if bool((freq < 0).any()):
+            raise ValueError("id_freq must be non-negative counts")
+        return freq.to(torch.int64).cpu()
+
+    def _host_table(self, weight, dtype) -> torch.Tensor:
+        """The full table in host memory, built in place: no transient second copy."""
+        if weight is not None:
+            weight = weight.detach()
+            if weight.device.type == "cpu" and weight.dtype == dtype and weight.is_contiguous() and (
+                    weight.is_pinned() or not torch.cuda.is_available()):
+                return weight
+            host = pinned_empty(tuple(weight.shape), dtype)
+            host.copy_(weight)
+            return host
+        host = pinned_empty((self.num_embeddings, self.embedding_dim), dtype)
+        host.normal_()  # nn.EmbeddingBag's init
+        if self.padding_idx is not None:
+            host[self.padding_idx].zero_()
+        return host
+
+    @classmethod
+    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, max_norm=None, norm_type=2.0,
+                        scale_grad_by_freq=False, mode="mean", sparse=False, include_last_offset=False,
+                        padding_idx=None, **cache_kwargs) -> "CachedEmbeddingBag":
+        """As nn.EmbeddingBag.from_pretrained: rows keep their order; `freeze` means no updates."""
+        if embeddings.dim() != 2:
+            raise ValueError(f"embeddings must be 2-D (rows, dim), got shape {tuple(embeddings.shape)}")
+        if freeze and cache_kwargs.get("optimizer") is not None:
+            raise ValueError("freeze=True with an optimizer: pass freeze=False to train the embeddings")
+        rows, dim = embeddings.shape
+        module = cls.__new__(cls)
+        module._frozen = freeze
+        cls.__init__(module, rows, dim, max_norm=max_norm, norm_type=norm_type,
+                     scale_grad_by_freq=scale_grad_by_freq, mode=mode, sparse=sparse, _weight=embeddings,
+                     include_last_offset=include_last_offset, padding_idx=padding_idx, **cache_kwargs)
+        return module
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        bags = normalize_bag_input(input, offsets, per_sample_weights, mode=self.mode,
+                                   include_last_offset=self.include_last_offset,
+                                   num_embeddings=self.num_embeddings, device=self.cache.device,
+                                   validate=self.validate_inputs)
+        train = torch.is_grad_enabled()
+        if train and self.optimizer is None and self.cache_weight.requires_grad:
+            self._check_no_pending_grad()
+        plan = self.cache.prepare(bags.ids, self.padding_idx, train=train and self.training)
+        if train and self.optimizer is None and self.cache_weight.requires_grad:
+            self.cache.mark_dirty(plan)
+        rows = self.cache_weight
+        anchor = self._anchor if (train and self.optimizer is not None) else None
+        psw = bags.per_sample_weights
+        return _PooledLookup.apply(self, plan, bags, rows, psw, anchor)
+
+    def _check_no_pending_grad(self) -> None:
+        grad = self.cache_weight.grad
+        if grad is None:
+            return
+        pending = grad._values().abs().sum() if grad.is_sparse else grad.abs().sum()
+        if bool(pending != 0):
+            raise RuntimeError(
+                "CachedEmbeddingBag(optimizer=None): cache_weight still holds the previous batch's gradient. "
+                "Call optimizer.step() and optimizer.zero_grad() before the next forward (the next forward may "
+                "move rows between slots); for gradient accumulation use a cachedemb.optim optimizer.")
+
+    def _rows_grad(self, plan: BatchPlan, grad_u: torch.Tensor) -> torch.Tensor:
+        """Gradient of `cache_weight` from per-unique gradients (optimizer=None mode)."""
+        rows = self.cache.rows
+        n = int(plan.n_uniq)
+        idx = plan.loc_u[:n]
+        values = grad_u[:n].to(rows.dtype)
+        if self.sparse:
+            return torch.sparse_coo_tensor(idx.unsqueeze(0), values, rows.shape).coalesce()
+        return torch.zeros_like(rows).index_add_(0, idx, values)
+
+    # ----------------------------------------------------------------- table access
+    def flush(self) -> None:
+        """Write every dirty cached row (and its optimizer state) back to the host table."""
+        self.cache.flush()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The full table in id order (host memory; reading it flushes the cache first)."""
+        self.cache.flush()
+        return self.cache.host_weight
+
+    def cache_stats(self) -> dict[str, int]:
+        """hits, misses, evictions, rows/bytes moved since the last reset (a host sync on CUDA)."""
+        return self.cache.stats_dict()
+
+    def reset_cache_stats(self) -> None:
+        self.cache.reset_stats()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self.cache.flush()
+        destination[prefix + "weight"] = self.cache.host_weight
+        if self.optimizer is not None:
+            for name, state in self.cache.host_states.items():
+                destination[prefix + f"optimizer.{name}"] = state
+            destination[prefix + _STEP_KEY] = torch.tensor(self.optimizer_step, dtype=torch.int64)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + "weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        weight = state_dict[key]
+        expected = (self.num_embeddings, self.embedding_dim)
+        if tuple(weight.shape) != expected:
+            error_msgs.append(f"size mismatch for {key}: expected {expected}, got {tuple(weight.shape)}")
+            return
+        states = {}
+        for name, host in self.cache.host_states.items():
+            skey = prefix + f"optimizer.{name}"
+            if skey in state_dict:
+                if tuple(state_dict[skey].shape) != tuple(host.shape):
+                    error_msgs.append(f"size mismatch for {skey}: expected {tuple(host.shape)}, "
+                                      f"got {tuple(state_dict[skey].shape)}")
+                    return
+                states[name] = state_dict[skey]
+        self.cache.flush()
+        self.cache.host_weight.copy_(weight)
+        for name, value in states.items():
+            self.cache.host_states[name].copy_(value)
+        if prefix + _STEP_KEY in state_dict and self.optimizer is not None:
+            self.optimizer_step = int(state_dict[prefix + _STEP_KEY])
+        self.cache.reload()
+        known = {key, prefix + _STEP_KEY} | {prefix + f"optimizer.{n}" for n in self.cache.host_states}
+        for k in state_dict:
+            if k.startswith(prefix) and k not in known and "." not in k[len(prefix):].replace("optimizer.", "", 1):
+                unexpected_keys.append(k)
+
+    def _apply(self, fn, recurse=True):
+        """`.to()/.cuda()/.cpu()` move the cache only; the host table never goes to the device."""
+        probe = fn(torch.zeros(1, dtype=self.cache.dtype, device=self.cache.device))
+        if probe.dtype != self.cache.dtype:
+            raise NotImplementedError(
+                f"CachedEmbeddingBag cannot change dtype ({self.cache.dtype} -> {probe.dtype}); construct it "
+                "with the dtype you want")
+        self.cache.move_to(probe.device)
+        self.cache_weight = self.cache.rows
+        return self
+
+    def extra_repr(self) -> str:
+        parts = [f"{self.num_embeddings}, {self.embedding_dim}", f"mode={self.mode!r}",
+                 f"cache_rows={self.cache.capacity}", f"device={self.cache.device}"]
+        if self.padding_idx is not None:
+            parts.append(f"padding_idx={self.padding_idx}")
+        if self.include_last_offset:
+            parts.append("include_last_offset=True")
+        if self.optimizer is not None:
+            parts.append(f"optimizer={self.optimizer}")
+        return ", ".join(parts)

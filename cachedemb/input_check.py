@@ -1,0 +1,106 @@
+"""Validation and normalization of nn.EmbeddingBag inputs, done before any cache state changes.
+
+Every form (1-D input + offsets, include_last_offset, 2-D input) becomes flat int64 ids and `offsets` with
+bags + 1 entries ending at the number of ids. Value checks (id range, offsets order) read the data: free for
+host tensors; for CUDA tensors they cost one host sync, which `validate=False` skips.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cachedemb import kernels
+
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass
+class BagInput:
+    ids: torch.Tensor  # [B] int64 on the cache device
+    offsets: torch.Tensor  # [bags + 1] int64, offsets[-1] == B
+    mode: int
+    per_sample_weights: torch.Tensor | None  # [B] on the cache device, keeps requires_grad
+    psw_shape: tuple  # the caller's per_sample_weights shape, for its gradient
+
+    @property
+    def num_bags(self) -> int:
+        return self.offsets.numel() - 1
+
+
+def _check_int_tensor(name: str, t) -> None:
+    if not torch.is_tensor(t):
+        raise TypeError(f"{name} must be a torch.Tensor of int32/int64, got {type(t).__name__}")
+    if t.dtype not in _ID_DTYPES:
+        raise TypeError(f"{name} must hold int32 or int64 values, got dtype {t.dtype}")
+
+
+def _first_bad(mask: torch.Tensor) -> int:
+    return int(torch.nonzero(mask.reshape(-1))[0, 0])
+
+
+def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, include_last_offset: bool,
+                        num_embeddings: int, device: torch.device, validate: bool = True) -> BagInput:
+    _check_int_tensor("input", input)
+    check_values = validate or input.device.type == "cpu"
+    if input.dim() == 2:
+        if offsets is not None:
+            raise ValueError("if input is 2-D (bags x ids per bag), offsets must be None, "
+                             f"got a tensor of shape {tuple(offsets.shape)}")
+        bags, width = input.shape
+        ids = input.reshape(-1)
+        full = torch.arange(bags + 1, device=device, dtype=torch.int64) * width
+    elif input.dim() == 1:
+        if offsets is None:
+            raise ValueError("offsets is required when input is 1-D (a 1-D tensor of bag starts), got None")
+        _check_int_tensor("offsets", offsets)
+        if offsets.dim() != 1:
+            raise ValueError(f"offsets must be 1-D, got shape {tuple(offsets.shape)}")
+        if include_last_offset and offsets.numel() == 0:
+            raise ValueError("include_last_offset=True needs at least one offset (the end), got none")
+        ids = input
+        n = input.numel()
+        offs = offsets.to(torch.int64)
+        if check_values and offs.numel() > 0:
+            host = offs.cpu()
+            if int(host[0]) != 0:
+                raise ValueError(f"offsets[0] must be 0 (the first bag starts at position 0), got {int(host[0])}")
+            steps = host[1:] - host[:-1]
+            if bool((steps < 0).any()):
+                i = _first_bad(steps < 0)
+                raise ValueError(f"offsets must be non-decreasing, got offsets[{i}]={int(host[i])} > "
+                                 f"offsets[{i + 1}]={int(host[i + 1])}")
+            if int(host[-1]) > n:
+                raise ValueError(f"offsets[-1] must be <= len(input)={n}, got {int(host[-1])}")
+            if include_last_offset and int(host[-1]) < n:
+                ids = input[: int(host[-1])]
+        offs = offs.to(device)
+        if include_last_offset:
+            full = offs
+        else:
+            full = torch.cat([offs, torch.tensor([n], dtype=torch.int64, device=device)])
+    else:
+        raise ValueError(f"input must be 1-D (with offsets) or 2-D, got {input.dim()}-D shape {tuple(input.shape)}")
+
+    psw = None
+    psw_shape = ()
+    if per_sample_weights is not None:
+        if not torch.is_tensor(per_sample_weights) or not per_sample_weights.is_floating_point():
+            raise TypeError("per_sample_weights must be a floating-point tensor, got "
+                            f"{getattr(per_sample_weights, 'dtype', type(per_sample_weights).__name__)}")
+        if mode != "sum":
+            raise ValueError(f"per_sample_weights is only supported for mode='sum', got mode={mode!r}")
+        if tuple(per_sample_weights.shape) != tuple(input.shape):
+            raise ValueError(f"per_sample_weights must have the input's shape {tuple(input.shape)}, "
+                             f"got {tuple(per_sample_weights.shape)}")
+        psw_shape = tuple(per_sample_weights.shape)
+        psw = per_sample_weights.reshape(-1)[: ids.numel()].to(device)
+
+    if check_values and ids.numel() > 0:
+        bad = (ids < 0) | (ids >= num_embeddings)
+        if bool(bad.any()):
+            i = _first_bad(bad)
+            raise IndexError(f"input id {int(ids.reshape(-1)[i])} at position {i} is out of range: ids must be "
+                             f"in [0, {num_embeddings})")
+    ids = ids.reshape(-1).to(device=device, dtype=torch.int64)
+    return BagInput(ids, full, kernels.MODES[mode], psw, psw_shape)

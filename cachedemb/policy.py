@@ -1,0 +1,68 @@
+"""Eviction policies: small pure functions from per-slot metadata to int64 eviction scores.
+
+Lower score = evicted first. Scores are distinct (the slot index is folded into the low bits), so victim
+choice is deterministic; empty slots score below every occupied one; protected slots score PROTECTED.
+A policy is replaceable: any function with this signature can be passed as `policy=`.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from cachedemb.kernels import PROTECTED
+
+# Keys stay below 2^33 and slots below 2^30, so key * capacity + slot fits in int64. The look-ahead policy
+# ranks rows with a known next use inside the horizon above every row without one (counts are capped).
+_TIER = 1 << 32
+
+
+class SlotView(NamedTuple):
+    """What a policy may read about the C cache slots (all [C] tensors on the cache device)."""
+
+    slot_ids: torch.Tensor  # int64, -1 = empty
+    freq: torch.Tensor  # int64 access counts (persist on the host across evictions)
+    last_use: torch.Tensor  # int64 batch number of the last access
+    next_use: torch.Tensor  # int64 batches until the next known use; -1 = none inside the horizon
+    protected: torch.Tensor  # bool: needed by a batch in flight, never evicted
+
+
+Policy = Callable[[SlotView], torch.Tensor]
+
+
+def _finish(view: SlotView, key: torch.Tensor) -> torch.Tensor:
+    capacity = view.slot_ids.numel()
+    slot = torch.arange(capacity, device=key.device)
+    score = key * capacity + slot
+    score = torch.where(view.slot_ids < 0, slot - capacity, score)
+    return torch.where(view.protected, torch.full_like(score, PROTECTED), score)
+
+
+def lfu(view: SlotView) -> torch.Tensor:
+    """Least frequently used first; ties by slot."""
+    return _finish(view, view.freq.clamp(max=2 * _TIER - 1))
+
+
+def lru(view: SlotView) -> torch.Tensor:
+    """Least recently used first; ties by slot."""
+    return _finish(view, view.last_use.clamp(max=2 * _TIER - 1))
+
+
+def lookahead(view: SlotView) -> torch.Tensor:
+    """Rows with no use inside the horizon first (least frequent first), then the row used furthest ahead
+    (Belady inside the horizon)."""
+    no_use = view.next_use < 0
+    far_first = _TIER + (_TIER - 1 - view.next_use.clamp(min=0, max=_TIER - 1))
+    key = torch.where(no_use, view.freq.clamp(max=_TIER - 1), far_first)
+    return _finish(view, key)
+
+
+POLICIES: dict[str, Policy] = {"lfu": lfu, "lru": lru, "lookahead": lookahead}
+
+
+def resolve(policy: str | Policy) -> Policy:
+    if callable(policy):
+        return policy
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r}: expected one of {sorted(POLICIES)} or a callable(SlotView)")
+    return POLICIES[policy]

@@ -1,0 +1,329 @@
+"""Raw TSV/CSV -> a directory of memory-mapped ``.npy`` arrays, one set per split.
+
+Output (``out_dir``)::
+
+    {split}_dense.npy    float32 [n, num_dense]  dense_transform(raw)
+    {split}_sparse.npy   int64   [n, num_cat]    raw_id % table_size (per feature)
+    {split}_labels.npy   float32 [n]
+    train_id_freq.npy          int64 [sum(table_sizes)]  per-id counts over TRAIN only,
+    train_id_freq_offsets.npy  int64 [num_cat + 1]       feature f is [offsets[f], offsets[f+1])
+    metadata.json
+
+Parsing happens once, at preprocessing, so training reads fixed-width arrays straight
+from the page cache. Files are streamed chunk by chunk (a first pass only counts
+lines) and written into a temporary sibling directory that is renamed into place at
+the end, so a failure (e.g. a malformed line) leaves nothing partial behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from .avazu import AVAZU_NUM_CAT, AVAZU_NUM_DENSE, read_avazu_csv
+from .configs import AVAZU, CRITEO_KAGGLE, DatasetConfig, criteo_1tb
+from .criteo import (
+    CRITEO_NUM_CAT,
+    CRITEO_NUM_DENSE,
+    DEFAULT_CHUNK_ROWS,
+    RawChunk,
+    open_binary,
+    read_criteo_tsv,
+)
+
+__all__ = [
+    "SPLITS",
+    "FORMAT_VERSION",
+    "DENSE_TRANSFORM",
+    "dense_transform",
+    "count_lines",
+    "preprocess_files",
+    "preprocess_criteo_kaggle",
+    "preprocess_criteo_1tb",
+    "preprocess_avazu",
+    "load_metadata",
+    "load_id_freq",
+]
+
+SPLITS = ("train", "val", "test")
+FORMAT_VERSION = 1
+
+#: torchrec's Criteo pipeline (torchrec/datasets/scripts/nvt/process_criteo_parquet.py):
+#: FillMissing(0), then col + 2, then LogOp (log1p), i.e. log(x + 3). Criteo has a few
+#: values below -2 where that is undefined; they are clamped to -2 (-> log 1 = 0).
+#: (torchrec's in-memory ``tsv_to_npys`` instead shifts by a per-file minimum; a fixed
+#: shift keeps train/val/test on one scale.)
+DENSE_TRANSFORM = "log(max(x, -2) + 3), missing x = 0"
+
+_RAW_SHAPES = {"criteo_tsv": (CRITEO_NUM_DENSE, CRITEO_NUM_CAT), "avazu_csv": (AVAZU_NUM_DENSE, AVAZU_NUM_CAT)}
+_READERS: dict[str, Callable[..., Iterator[RawChunk]]] = {
+    "criteo_tsv": read_criteo_tsv,
+    "avazu_csv": read_avazu_csv,
+}
+_HEADER_LINES = {"criteo_tsv": 0, "avazu_csv": 1}
+_ID_FREQ = "train_id_freq.npy"
+_ID_FREQ_OFFSETS = "train_id_freq_offsets.npy"
+
+
+def dense_transform(raw: np.ndarray) -> np.ndarray:
+    """Apply :data:`DENSE_TRANSFORM` to raw dense values (missing already 0); float32 out."""
+    return np.log(np.maximum(np.asarray(raw, dtype=np.float64), -2.0) + 3.0).astype(np.float32)
+
+
+def count_lines(path: str | os.PathLike) -> int:
+    """Number of lines in a file, counting a final line without ``\\n``; reads 16 MiB at a time."""
+    n = 0
+    last = b"\n"
+    with open_binary(path) as f:
+        while True:
+            block = f.read(1 << 24)
+            if not block:
+                break
+            n += block.count(b"\n")
+            last = block[-1:]
+    return n + (last != b"\n")
+
+
+def _check_config(config: DatasetConfig) -> None:
+    want_dense, want_cat = _RAW_SHAPES[config.raw_format]
+    if (config.num_dense, config.num_cat) != (want_dense, want_cat):
+        raise ValueError(
+            f"config {config.name!r} has {config.num_dense} dense / {config.num_cat} categorical features; "
+            f"format {config.raw_format!r} produces {want_dense} / {want_cat}"
+        )
+
+
+def _new_array(tmp: Path, name: str, dtype, shape: tuple[int, ...]) -> np.ndarray:
+    path = tmp / name
+    if math.prod(shape) == 0:
+        # Zero-byte memmaps are not allowed; an empty split is a plain empty array.
+        arr = np.zeros(shape, dtype=dtype)
+        np.save(path, arr)
+        return arr
+    return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+
+
+def _count_into(counts: np.ndarray, ids: np.ndarray, size: int) -> None:
+    """counts[ids] += multiplicity, without an O(size) temporary for huge tables."""
+    if size <= 4 * ids.size:
+        counts += np.bincount(ids, minlength=size)
+    else:
+        uniq, mult = np.unique(ids, return_counts=True)
+        counts[uniq] += mult
+
+
+def preprocess_files(
+    inputs: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    config: DatasetConfig,
+    plan: Callable[[list[int]], dict[str, int]],
+    *,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    overwrite: bool = False,
+) -> Path:
+    """Preprocess ``inputs`` (read in order, as one stream of rows) into ``out_dir``.
+
+    ``plan`` receives the data-row count of each input and returns the row count of
+    each split in :data:`SPLITS` order; splits are consecutive ranges of the stream
+    and must cover it exactly. Returns ``out_dir`` as a ``Path``.
+    """
+    _check_config(config)
+    inputs = [Path(p) for p in inputs]
+    if not inputs:
+        raise ValueError("preprocess_files: expected at least one input file, got none")
+    for p in inputs:
+        if not p.is_file():
+            raise FileNotFoundError(f"preprocess_files: input {str(p)!r} is not a file")
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"preprocess_files: output {str(out)!r} exists; pass overwrite=True to replace it")
+    header = _HEADER_LINES[config.raw_format]
+    rows_per_file = [max(count_lines(p) - header, 0) for p in inputs]
+    total = sum(rows_per_file)
+    split_rows = plan(rows_per_file)
+    if set(split_rows) != set(SPLITS) or any(v < 0 for v in split_rows.values()) or sum(split_rows.values()) != total:
+        raise ValueError(
+            f"preprocess_files: split plan {split_rows} must give non-negative rows for {SPLITS} summing to {total}"
+        )
+    bounds = np.cumsum([0] + [split_rows[s] for s in SPLITS])
+    sizes = np.asarray(config.table_sizes, dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would otherwise become the output's mode
+        arrays = {
+            s: (
+                _new_array(tmp, f"{s}_dense.npy", np.float32, (split_rows[s], config.num_dense)),
+                _new_array(tmp, f"{s}_sparse.npy", np.int64, (split_rows[s], config.num_cat)),
+                _new_array(tmp, f"{s}_labels.npy", np.float32, (split_rows[s],)),
+            )
+            for s in SPLITS
+        }
+        freq = _new_array(tmp, _ID_FREQ, np.int64, (int(offsets[-1]),))
+        np.save(tmp / _ID_FREQ_OFFSETS, offsets)
+        read = _READERS[config.raw_format]
+        pos = 0  # global row index of the next row
+        for path, expected in zip(inputs, rows_per_file):
+            seen = 0
+            for chunk in read(path, chunk_rows=chunk_rows):
+                n = chunk.labels.shape[0]
+                sparse = chunk.cats % sizes
+                dense = dense_transform(chunk.dense)
+                for k, split in enumerate(SPLITS):
+                    lo, hi = max(pos, bounds[k]), min(pos + n, bounds[k + 1])
+                    if lo >= hi:
+                        continue
+                    a, b = lo - pos, hi - pos
+                    d_arr, s_arr, l_arr = arrays[split]
+                    d_arr[lo - bounds[k] : hi - bounds[k]] = dense[a:b]
+                    s_arr[lo - bounds[k] : hi - bounds[k]] = sparse[a:b]
+                    l_arr[lo - bounds[k] : hi - bounds[k]] = chunk.labels[a:b]
+                    if split == "train":
+                        for f in range(config.num_cat):
+                            _count_into(freq[offsets[f] : offsets[f + 1]], sparse[a:b, f], int(sizes[f]))
+                pos += n
+                seen += n
+            if seen != expected:
+                raise RuntimeError(f"preprocess_files: {str(path)!r} had {expected} data lines when counted "
+                                   f"but {seen} when read; was it modified during preprocessing?")
+        for split in SPLITS:
+            for arr in arrays[split]:
+                if isinstance(arr, np.memmap):
+                    arr.flush()
+        if isinstance(freq, np.memmap):
+            freq.flush()
+        del arrays, freq
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "config": config.name,
+            "raw_format": config.raw_format,
+            "dense_names": list(config.dense_names),
+            "cat_names": list(config.cat_names),
+            "table_sizes": [int(s) for s in config.table_sizes],
+            "embedding_dim": config.embedding_dim,
+            "rows": {s: int(split_rows[s]) for s in SPLITS},
+            "dense_transform": DENSE_TRANSFORM,
+            "sources": [{"path": str(p.resolve()), "rows": r} for p, r in zip(inputs, rows_per_file)],
+        }
+        (tmp / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
+        if out.exists():
+            # overwrite=True: move the old output aside first so a rename failure keeps it.
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / "d")
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _check_fractions(train_fraction: float, val_fraction: float) -> None:
+    if not (0.0 < train_fraction <= 1.0) or not (0.0 <= val_fraction <= 1.0) or train_fraction + val_fraction > 1.0:
+        raise ValueError(
+            f"train_fraction={train_fraction!r}, val_fraction={val_fraction!r}; expected 0 < train, 0 <= val, "
+            f"train + val <= 1 (the rest is test)"
+        )
+
+
+def _fraction_plan(train_fraction: float, val_fraction: float) -> Callable[[list[int]], dict[str, int]]:
+    _check_fractions(train_fraction, val_fraction)
+
+    def plan(rows: list[int]) -> dict[str, int]:
+        total = sum(rows)
+        n_train = int(total * train_fraction)
+        n_val = min(int(total * val_fraction), total - n_train)
+        return {"train": n_train, "val": n_val, "test": total - n_train - n_val}
+
+    return plan
+
+
+def preprocess_criteo_kaggle(
+    train_txt: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    config: DatasetConfig = CRITEO_KAGGLE,
+    train_fraction: float = 6 / 7,
+    val_fraction: float = 1 / 14,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    overwrite: bool = False,
+) -> Path:
+    """Kaggle convention: the 7 days of ``train.txt`` in order; the first 6/7 of lines are
+    train, the last 1/7 is split in half, val then test (the rest after val is test)."""
+    return preprocess_files([train_txt], out_dir, config, _fraction_plan(train_fraction, val_fraction),
+                            chunk_rows=chunk_rows, overwrite=overwrite)
+
+
+def preprocess_criteo_1tb(
+    day_files: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    *,
+    config: DatasetConfig | None = None,
+    val_fraction_of_last_day: float = 0.5,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    overwrite: bool = False,
+) -> Path:
+    """1TB convention: ``day_files`` in day order; all but the last are train, the last day
+    is split into val (first ``val_fraction_of_last_day`` of it) and test.
+    ``config`` defaults to :func:`criteo_1tb` (tables capped at 40M rows)."""
+    if len(day_files) < 2:
+        raise ValueError(f"preprocess_criteo_1tb: got {len(day_files)} day file(s); expected >= 2 "
+                         "(train days, then the val/test day)")
+    if not (0.0 <= val_fraction_of_last_day <= 1.0):
+        raise ValueError(f"val_fraction_of_last_day={val_fraction_of_last_day!r}; expected within [0, 1]")
+
+    def plan(rows: list[int]) -> dict[str, int]:
+        n_val = int(rows[-1] * val_fraction_of_last_day)
+        return {"train": sum(rows[:-1]), "val": n_val, "test": rows[-1] - n_val}
+
+    return preprocess_files(day_files, out_dir, config or criteo_1tb(), plan,
+                            chunk_rows=chunk_rows, overwrite=overwrite)
+
+
+def preprocess_avazu(
+    csv_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    config: DatasetConfig = AVAZU,
+    train_fraction: float = 0.8,
+    val_fraction: float = 0.1,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    overwrite: bool = False,
+) -> Path:
+    """Avazu: rows in file (time) order; first ``train_fraction`` train, next
+    ``val_fraction`` val, the rest test."""
+    return preprocess_files([csv_path], out_dir, config, _fraction_plan(train_fraction, val_fraction),
+                            chunk_rows=chunk_rows, overwrite=overwrite)
+
+
+def load_metadata(data_dir: str | os.PathLike) -> dict:
+    """The ``metadata.json`` of a preprocessed directory, checked for a known format version."""
+    path = Path(data_dir) / "metadata.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} not found; expected a directory written by preprocess_files")
+    meta = json.loads(path.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{str(path)!r}: format_version={meta.get('format_version')!r}; expected {FORMAT_VERSION}")
+    return meta
+
+
+def load_id_freq(data_dir: str | os.PathLike) -> list[np.ndarray]:
+    """Per-feature train id counts: one int64 array per feature, length = its table size
+    (read-only memory-mapped views of one file)."""
+    data_dir = Path(data_dir)
+    offsets = np.load(data_dir / _ID_FREQ_OFFSETS)
+    freq = np.load(data_dir / _ID_FREQ, mmap_mode="r")
+    if int(offsets[-1]) != freq.shape[0]:
+        raise ValueError(f"{str(data_dir / _ID_FREQ)!r} has {freq.shape[0]} entries; offsets expect {int(offsets[-1])}")
+    return [freq[offsets[f] : offsets[f + 1]] for f in range(offsets.shape[0] - 1)]

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up (if needed) and run the whole test suite on CPU; Triton kernels run under the interpreter.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$root/scripts/setup_env.sh"
+cd "$root"
+export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
+exec "${CACHEDEMB_VENV:-$root/.venv}/bin/python" -m pytest -q "$@"
