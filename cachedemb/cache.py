@@ -78,7 +78,7 @@ class EmbeddingCache:
     # ----------------------------------------------------------------- device buffers
     def _allocate(self, slots: int) -> None:
         dev = self.device
-        self.rows.data = torch.zeros(slots, self.dim, dtype=self.dtype, device=dev)
+        self._set_rows(torch.zeros(slots, self.dim, dtype=self.dtype, device=dev))
         self.states = {name: torch.zeros(slots, h.shape[1], device=dev) for name, h in self.host_states.items()}
         # Per-slot metadata has one trailing "dump" element: masked scatters write there instead of syncing.
         self.slot_ids = torch.full((slots + 1,), -1, dtype=torch.int64, device=dev)
@@ -89,6 +89,12 @@ class EmbeddingCache:
         self.protected = torch.zeros(self.capacity + 1, dtype=torch.bool, device=dev)
         self.index_keys = torch.full((self.capacity,), EMPTY_KEY, dtype=torch.int64, device=dev)
         self.index_slots = torch.arange(self.capacity, dtype=torch.int64, device=dev)
+
+    def _set_rows(self, data: torch.Tensor) -> None:
+        """Replace the rows in place of the same Parameter object (a torch optimizer holding it keeps working);
+        swapping the whole tensor also resets autograd's recorded shape, which `.data =` would not."""
+        replacement = nn.Parameter(data, requires_grad=self.rows.requires_grad)
+        torch.utils.swap_tensors(self.rows, replacement)
 
     def _grow_spill(self, spill: int) -> None:
         """Make room for `spill` rows past the cache slots (only ever grows; spill slots are empty here)."""
@@ -103,7 +109,7 @@ class EmbeddingCache:
             out[keep] = t[keep]
             return out
 
-        self.rows.data = grown(self.rows.data, 0)
+        self._set_rows(grown(self.rows.data, 0))
         self.states = {k: grown(v, 0) for k, v in self.states.items()}
         self.slot_ids = grown(self.slot_ids, -1)
         self.slot_freq = grown(self.slot_freq, 0)
@@ -289,7 +295,7 @@ class EmbeddingCache:
             self.host_states = {k: v.pin_memory() for k, v in self.host_states.items()}
             self.host_freq = self.host_freq.pin_memory()
         self.device = device
-        self.rows.data = self.rows.data.to(device)
+        self._set_rows(self.rows.data.to(device))
         for name in ("slot_ids", "slot_freq", "slot_last_use", "dirty", "next_use", "protected",
                      "index_keys", "index_slots", "stats"):
             setattr(self, name, getattr(self, name).to(device))

@@ -55,7 +55,7 @@ INF = np.int64(1 << 62)
 _DIRECT_ID_BOUND = 1 << 22
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SimResult:
     """Outcome of replaying one trace through one policy; counts are per-batch unique ids."""
 

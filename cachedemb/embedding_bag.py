@@ -207,8 +207,6 @@ class CachedEmbeddingBag(nn.Module):
                                    num_embeddings=self.num_embeddings, device=self.cache.device,
                                    validate=self.validate_inputs)
         train = torch.is_grad_enabled()
-        if train and self.optimizer is None and self.cache_weight.requires_grad:
-            self._check_no_pending_grad()
         plan = self.cache.prepare(bags.ids, self.padding_idx, train=train and self.training)
         if train and self.optimizer is None and self.cache_weight.requires_grad:
             self.cache.mark_dirty(plan)
@@ -217,17 +215,6 @@ class CachedEmbeddingBag(nn.Module):
         psw = bags.per_sample_weights
         return _PooledLookup.apply(self, plan, bags, rows, psw, anchor)
 
-    def _check_no_pending_grad(self) -> None:
-        grad = self.cache_weight.grad
-        if grad is None:
-            return
-        pending = grad._values().abs().sum() if grad.is_sparse else grad.abs().sum()
-        if bool(pending != 0):
-            raise RuntimeError(
-                "CachedEmbeddingBag(optimizer=None): cache_weight still holds the previous batch's gradient. "
-                "Call optimizer.step() and optimizer.zero_grad() before the next forward (the next forward may "
-                "move rows between slots); for gradient accumulation use a cachedemb.optim optimizer.")
-
     def _rows_grad(self, plan: BatchPlan, grad_u: torch.Tensor) -> torch.Tensor:
         """Gradient of `cache_weight` from per-unique gradients (optimizer=None mode)."""
         rows = self.cache.rows
@@ -235,7 +222,7 @@ class CachedEmbeddingBag(nn.Module):
         idx = plan.loc_u[:n]
         values = grad_u[:n].to(rows.dtype)
         if self.sparse:
-            return torch.sparse_coo_tensor(idx.unsqueeze(0), values, rows.shape).coalesce()
+            return torch.sparse_coo_tensor(idx.unsqueeze(0), values, rows.shape, check_invariants=False).coalesce()
         return torch.zeros_like(rows).index_add_(0, idx, values)
 
     # ----------------------------------------------------------------- table access

@@ -10,6 +10,8 @@ ties, as torch), -1 for a bag with no non-padding lookup, whose output is 0.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from .dispatch import backend_for
 
@@ -35,6 +37,89 @@ def pooled_forward_torch(rows, loc_u, inverse, offsets, mode: int, per_sample_we
         return out, None
     empty = (bag_size == 0).unsqueeze(1)
     max_pos = torch.where(empty, torch.full_like(max_idx, -1), max_idx)
+    return out, max_pos
+
+
+@triton.jit
+def cast_to(b_x, dtype: tl.constexpr, SOFT_RTNE: tl.constexpr):
+    """fp32 -> dtype. SOFT_RTNE rounds fp32 -> bf16 to nearest-even with integer ops: Triton's CPU interpreter
+    truncates that cast, the GPU rounds it (as torch does)."""
+    if SOFT_RTNE and dtype == tl.bfloat16:
+        b_u = b_x.to(tl.uint32, bitcast=True)
+        b_u = (b_u + 0x7FFF + ((b_u >> 16) & 1)) >> 16
+        b_u = tl.where(b_x != b_x, 0x7FC0, b_u)
+        return b_u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return b_x.to(dtype)
+
+
+@triton.jit(do_not_specialize=["n_bags"])
+def pooled_forward_kernel(
+    rows,  # [R, D] cache rows
+    loc_u,  # [U] int64 row of each unique id
+    inverse,  # [B] int64 unique position of each lookup, -1 = padding
+    offsets,  # [n_bags + 1] int64
+    psw,  # [B] per-sample weights (sum mode; unused unless HAS_PSW)
+    out,  # [n_bags, D] rows' dtype
+    max_pos,  # [n_bags, D] int64 (max mode only)
+    n_bags,
+    D,
+    BLOCK_D: tl.constexpr,
+    MODE: tl.constexpr,
+    HAS_PSW: tl.constexpr,
+    SOFT_RTNE: tl.constexpr,
+):
+    i_b, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
+    m_d = o_d < D
+    bos, eos = tl.load(offsets + i_b).to(tl.int64), tl.load(offsets + i_b + 1).to(tl.int64)
+    b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    b_pos = tl.full([BLOCK_D], -1, dtype=tl.int64)
+    n_valid = 0
+    # sequential in lookup order: the same fp32 sum order as torch.embedding_bag
+    for i in range(bos, eos):
+        i_u = tl.load(inverse + i)
+        valid = i_u >= 0
+        i_r = tl.load(loc_u + tl.maximum(i_u, 0), mask=valid, other=0).to(tl.int64)
+        b_x = tl.load(rows + i_r * D + o_d, mask=m_d & valid, other=0.0).to(tl.float32)
+        if MODE == 2:
+            # first maximal lookup wins (strict >), the bag's first valid lookup always seeds
+            m_upd = valid & ((n_valid == 0) | (b_x > b_acc))
+            b_acc = tl.where(m_upd, b_x, b_acc)
+            b_pos = tl.where(m_upd, i, b_pos)
+        else:
+            if HAS_PSW:
+                b_x = b_x * tl.load(psw + i).to(tl.float32)
+            b_acc = tl.where(valid, b_acc + b_x, b_acc)
+        n_valid += valid.to(tl.int32)
+    if MODE == 1:
+        b_acc = tl.math.div_rn(b_acc, tl.maximum(n_valid, 1).to(tl.float32))  # IEEE division, as torch
+    p_out = out + i_b * D + o_d
+    tl.store(p_out, cast_to(b_acc, p_out.dtype.element_ty, SOFT_RTNE), mask=m_d)
+    if MODE == 2:
+        tl.store(max_pos + i_b * D + o_d, b_pos, mask=m_d)
+
+
+def _forward_block_d(dim: int) -> int:
+    return min(triton.next_power_of_2(dim), 128)
+
+
+def pooled_forward_triton(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None):
+    """Triton path of pooled_forward: one program per (bag, D-block) reading rows[loc_u[inverse[i]]] in place."""
+    n_bags, dim = offsets.numel() - 1, rows.shape[1]
+    rows = rows.contiguous()
+    out = torch.empty(n_bags, dim, dtype=rows.dtype, device=rows.device)
+    max_pos = torch.empty(n_bags, dim, dtype=torch.int64, device=rows.device) if mode == MODE_MAX else None
+    if n_bags == 0:
+        return out, max_pos
+    has_psw = per_sample_weights is not None and mode == MODE_SUM
+    block_d = _forward_block_d(dim)
+    grid = (n_bags, triton.cdiv(dim, block_d))
+    pooled_forward_kernel[grid](
+        rows, loc_u, inverse, offsets, per_sample_weights if has_psw else inverse, out,
+        max_pos if max_pos is not None else out, n_bags, dim,
+        BLOCK_D=block_d, MODE=mode, HAS_PSW=has_psw,
+        SOFT_RTNE=rows.device.type == "cpu", num_warps=max(1, min(4, block_d // 128)),
+    )
     return out, max_pos
 
 

@@ -7,6 +7,8 @@ device. Fixed capacity keeps the GPU path free of host syncs: nothing downstream
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from .dispatch import backend_for
 
@@ -30,6 +32,67 @@ def unique_ids_torch(ids: torch.Tensor, padding_idx: int | None = None):
     count_buf[:n] = counts
     n_uniq = torch.tensor([n], dtype=torch.int64, device=ids.device)
     return uniq_buf, inverse.reshape(-1), count_buf, n_uniq
+
+
+@triton.jit(do_not_specialize=["B", "padding_idx"])
+def unique_heads_kernel(s_ids, o_head, B, padding_idx, HAS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """o_head[i] = 1 where sorted id i starts a run of equal ids (and is not the padding id), else 0."""
+    i_b = tl.program_id(0)
+    o_i = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m_i = o_i < B
+    b_id = tl.load(s_ids + o_i, mask=m_i, other=0)
+    b_prev = tl.load(s_ids + o_i - 1, mask=m_i & (o_i > 0), other=0)
+    b_head = (o_i == 0) | (b_id != b_prev)
+    if HAS_PAD:
+        b_head = b_head & (b_id != padding_idx)
+    tl.store(o_head + o_i, b_head.to(tl.int64), mask=m_i)
+
+
+@triton.jit(do_not_specialize=["B", "padding_idx"])
+def unique_scatter_kernel(s_ids, s_perm, p_pos, o_uniq, o_inverse, o_counts, B, padding_idx,
+                          HAS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Sorted id i belongs to unique position p_pos[i] - 1 (inclusive cumsum of heads). Heads write the id; run
+    boundaries add -start / +end into counts (zeroed) so the count needs no second pass; every lookup writes its
+    inverse through the sort permutation."""
+    i_b = tl.program_id(0)
+    o_i = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m_i = o_i < B
+    b_id = tl.load(s_ids + o_i, mask=m_i, other=0)
+    b_prev = tl.load(s_ids + o_i - 1, mask=m_i & (o_i > 0), other=0)
+    b_next = tl.load(s_ids + o_i + 1, mask=m_i & (o_i + 1 < B), other=0)
+    b_u = tl.load(p_pos + o_i, mask=m_i, other=0) - 1
+    b_lookup = tl.load(s_perm + o_i, mask=m_i, other=0)
+    b_keep = m_i
+    if HAS_PAD:
+        b_keep = b_keep & (b_id != padding_idx)
+    m_head = b_keep & ((o_i == 0) | (b_id != b_prev))
+    m_tail = b_keep & ((o_i + 1 == B) | (b_id != b_next))
+    tl.store(o_uniq + b_u, b_id, mask=m_head)
+    tl.atomic_add(o_counts + b_u, -o_i, mask=m_head, sem="relaxed")
+    tl.atomic_add(o_counts + b_u, o_i + 1, mask=m_tail, sem="relaxed")
+    tl.store(o_inverse + b_lookup, tl.where(b_keep, b_u, -1), mask=m_i)
+
+
+def unique_ids_triton(ids: torch.Tensor, padding_idx: int | None = None):
+    """Sort, flag run heads, number them with a cumsum, scatter. Same outputs as `unique_ids_torch`, no host sync."""
+    ids = ids.reshape(-1).to(torch.int64)
+    B = ids.numel()
+    dev = ids.device
+    uniq = torch.full((B,), PAD_ID, dtype=torch.int64, device=dev)
+    counts = torch.zeros(B, dtype=torch.int64, device=dev)
+    inverse = torch.empty(B, dtype=torch.int64, device=dev)
+    if B == 0:
+        return uniq, inverse, counts, torch.zeros(1, dtype=torch.int64, device=dev)
+    s_ids, s_perm = torch.sort(ids)
+    head = torch.empty(B, dtype=torch.int64, device=dev)
+    has_pad = padding_idx is not None
+    pad = int(padding_idx) if has_pad else 0
+    BLOCK = min(1024 if dev.type == "cuda" else 4096, triton.next_power_of_2(B))
+    grid = (triton.cdiv(B, BLOCK),)
+    unique_heads_kernel[grid](s_ids, head, B, pad, HAS_PAD=has_pad, BLOCK=BLOCK)
+    pos = torch.cumsum(head, 0)
+    unique_scatter_kernel[grid](s_ids, s_perm, pos, uniq, inverse, counts, B, pad, HAS_PAD=has_pad, BLOCK=BLOCK)
+    return uniq, inverse, counts, pos[B - 1:]
 
 
 def unique_ids(ids: torch.Tensor, padding_idx: int | None = None):

@@ -6,6 +6,8 @@ A protected slot carries INT64_MAX; callers take only as many victims as there a
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from .dispatch import backend_for
 
@@ -16,6 +18,115 @@ def victim_select_torch(score: torch.Tensor, k: int):
     """Reference: a full top-k. Returns int64 slots [k], smallest score first."""
     k = min(int(k), score.numel())
     return torch.topk(score, k, largest=False, sorted=True).indices
+
+RADIX_BITS = 8
+N_BINS = 1 << RADIX_BITS
+N_PASSES = 64 // RADIX_BITS
+
+
+@triton.jit
+def _prefix_match(b_score, prefix, shift):
+    # Scores whose bits above `shift + RADIX_BITS` equal the prefix found so far (all of them in the first pass).
+    b_hi = ((b_score ^ prefix) >> shift) >> 8  # two shifts: one by 64 would be undefined
+    return (b_hi == 0) | (shift + 8 >= 64)
+
+
+@triton.jit
+def _radix_digit(b_score, shift):
+    # 8-bit digit at `shift`; the top digit has its sign bit flipped so digits order like the signed scores.
+    b_digit = (b_score >> shift) & 0xFF
+    b_digit = tl.where(shift + 8 >= 64, b_digit ^ 0x80, b_digit)
+    return b_digit.to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["C", "shift"])
+def radix_hist_kernel(p_score, p_state, o_hist, C, shift, BLOCK: tl.constexpr):
+    """Histogram of the digit at `shift` over the scores that still match the prefix; p_state = [prefix, k_rem]."""
+    i_b = tl.program_id(0)
+    o_i = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m_i = o_i < C
+    prefix = tl.load(p_state)
+    b_score = tl.load(p_score + o_i, mask=m_i, other=0)
+    m_live = m_i & _prefix_match(b_score, prefix, shift)
+    b_hist = tl.histogram(_radix_digit(b_score, shift), 256, mask=m_live)
+    tl.atomic_add(o_hist + tl.arange(0, 256), b_hist.to(tl.int64), sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["shift"])
+def radix_pick_kernel(p_hist, p_state, shift):
+    """One program: the bin holding the k_rem-th smallest live score extends the prefix; k_rem drops by the
+    scores in lower bins."""
+    prefix = tl.load(p_state)
+    k_rem = tl.load(p_state + 1)
+    o_bin = tl.arange(0, 256)
+    b_hist = tl.load(p_hist + o_bin)
+    b_incl = tl.cumsum(b_hist, 0)
+    b_bin = tl.sum((b_incl < k_rem).to(tl.int64), 0)
+    b_below = tl.sum(tl.where(o_bin < b_bin, b_hist, 0), 0)
+    b_raw = tl.where(shift + 8 >= 64, b_bin ^ 0x80, b_bin)
+    tl.store(p_state, prefix | (b_raw << shift))
+    tl.store(p_state + 1, k_rem - b_below)
+
+
+@triton.jit(do_not_specialize=["C"])
+def threshold_count_kernel(p_score, p_state, o_count, C, BLOCK: tl.constexpr):
+    """Per block: how many scores are below the threshold and how many equal it."""
+    i_b = tl.program_id(0)
+    o_i = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m_i = o_i < C
+    b_thr = tl.load(p_state)
+    b_score = tl.load(p_score + o_i, mask=m_i, other=0)
+    tl.store(o_count + 2 * i_b, tl.sum((m_i & (b_score < b_thr)).to(tl.int64), 0))
+    tl.store(o_count + 2 * i_b + 1, tl.sum((m_i & (b_score == b_thr)).to(tl.int64), 0))
+
+
+@triton.jit(do_not_specialize=["C", "k"])
+def threshold_compact_kernel(p_score, p_state, p_base, o_score, o_slot, C, k, BLOCK: tl.constexpr):
+    """Write every score below the threshold and the first k_rem (by slot) equal to it into k candidates, in slot
+    order: those below at [0, k - k_rem), the ties after them. p_base holds each block's exclusive offsets."""
+    i_b = tl.program_id(0)
+    o_i = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m_i = o_i < C
+    b_thr = tl.load(p_state)
+    n_below = k - tl.load(p_state + 1)
+    b_score = tl.load(p_score + o_i, mask=m_i, other=0)
+    m_lt = m_i & (b_score < b_thr)
+    m_eq = m_i & (b_score == b_thr)
+    b_pos_lt = tl.load(p_base + 2 * i_b) + tl.cumsum(m_lt.to(tl.int64), 0) - 1
+    b_pos_eq = n_below + tl.load(p_base + 2 * i_b + 1) + tl.cumsum(m_eq.to(tl.int64), 0) - 1
+    b_pos = tl.where(m_lt, b_pos_lt, b_pos_eq)
+    m_out = m_lt | (m_eq & (b_pos_eq < k))
+    tl.store(o_score + b_pos, b_score, mask=m_out)
+    tl.store(o_slot + b_pos, o_i, mask=m_out)
+
+
+def victim_select_triton(score: torch.Tensor, k: int):
+    """Same slots as `victim_select_torch` without sorting the C scores: 8 radix passes find the k-th smallest
+    score (the threshold), a two-kernel compaction gathers the k candidates, and only those k are sorted.
+    Equal scores (several PROTECTED) resolve to the lowest slots."""
+    C = score.numel()
+    k = min(int(k), C)
+    dev = score.device
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64, device=dev)
+    score = score.reshape(-1).to(torch.int64).contiguous()
+    BLOCK = min(1024 if dev.type == "cuda" else 8192, triton.next_power_of_2(C))
+    n_blocks = triton.cdiv(C, BLOCK)
+    state = torch.zeros(2, dtype=torch.int64, device=dev)  # [prefix of the k-th smallest score, rank left]
+    state[1:].fill_(k)
+    hist = torch.zeros(N_PASSES, N_BINS, dtype=torch.int64, device=dev)
+    for i_pass in range(N_PASSES):
+        shift = 64 - RADIX_BITS * (i_pass + 1)
+        radix_hist_kernel[(n_blocks,)](score, state, hist[i_pass], C, shift, BLOCK=BLOCK)
+        radix_pick_kernel[(1,)](hist[i_pass], state, shift)
+    block_count = torch.empty(n_blocks, 2, dtype=torch.int64, device=dev)
+    threshold_count_kernel[(n_blocks,)](score, state, block_count, C, BLOCK=BLOCK)
+    block_base = torch.cumsum(block_count, 0) - block_count
+    cand_score = torch.empty(k, dtype=torch.int64, device=dev)
+    cand_slot = torch.empty(k, dtype=torch.int64, device=dev)
+    threshold_compact_kernel[(n_blocks,)](score, state, block_base, cand_score, cand_slot, C, k, BLOCK=BLOCK)
+    order = torch.sort(cand_score, stable=True).indices
+    return cand_slot[order]
 
 
 def victim_select(score: torch.Tensor, k: int):

@@ -8,6 +8,7 @@ table has; the preprocessing step reduces raw ids into exactly these sizes
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 __all__ = [
@@ -30,6 +31,16 @@ __all__ = [
 RAW_FORMATS = ("criteo_tsv", "avazu_csv")
 
 
+def _as_int(value):
+    """numpy integers -> int (so sizes from arrays work); anything else is left for validation."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
 @dataclass(frozen=True)
 class DatasetConfig:
     """Shape of one CTR dataset as the model sees it after preprocessing.
@@ -48,6 +59,7 @@ class DatasetConfig:
         # Normalise lists to tuples so configs stay hashable and immutable.
         for field in ("dense_names", "cat_names", "table_sizes"):
             object.__setattr__(self, field, tuple(getattr(self, field)))
+        object.__setattr__(self, "table_sizes", tuple(_as_int(s) for s in self.table_sizes))
         if not self.name:
             raise ValueError("DatasetConfig.name must be a non-empty string")
         if self.raw_format not in RAW_FORMATS:

@@ -113,10 +113,10 @@ def parse_int_fields(fields: np.ndarray, base: int) -> tuple[np.ndarray, np.ndar
     max_digits = _HEX_MAX_DIGITS if base == 16 else _DEC_MAX_DIGITS
     empty = nchars == 0
     ok &= empty | ((ndigits >= 1) & (ndigits <= max_digits))
-    digits = np.where(is_digit, codes, 0).astype(np.int64)
+    digits = np.where(is_digit, codes, 0)  # int8: keep the [..., width] temporaries small
     values = np.zeros(shape, dtype=np.int64)
     for k in range(min(width, max_digits + 1)):
-        values = np.where(is_digit[..., k], values * base + digits[..., k], values)
+        values = np.where(is_digit[..., k], values * base + digits[..., k].astype(np.int64), values)
     if base == 10:
         values = np.where(raw[..., 0] == ord("-"), -values, values)
     values[~ok] = 0
