@@ -1,6 +1,7 @@
 """cachedemb: nn.EmbeddingBag with the table in host memory behind a frequency-aware device cache."""
 from cachedemb import optim
 from cachedemb.embedding_bag import CachedEmbeddingBag
+from cachedemb.prefetch import prefetch
 
-__all__ = ["CachedEmbeddingBag", "optim"]
+__all__ = ["CachedEmbeddingBag", "optim", "prefetch"]
 __version__ = "0.1.0"

@@ -28,11 +28,12 @@ _STAT = {name: i for i, name in enumerate(STAT_NAMES)}
 class BatchPlan:
     """Where one batch's rows sit for its forward and backward."""
 
-    uniq: torch.Tensor  # [B] unique ids ascending, then -1
+    # Per-unique tensors have a capacity U >= n_uniq: B on CUDA (no sync), exactly n_uniq on CPU.
+    uniq: torch.Tensor  # [U] unique ids ascending, then -1
     inverse: torch.Tensor  # [B] unique position of each lookup, -1 for padding
-    counts: torch.Tensor  # [B] occurrences of each unique id
+    counts: torch.Tensor  # [U] occurrences of each unique id
     n_uniq: torch.Tensor  # [1]
-    loc_u: torch.Tensor  # [B] row (cache or spill slot) of each unique id, -1 past n_uniq
+    loc_u: torch.Tensor  # [U] row (cache or spill slot) of each unique id, -1 past n_uniq
     generation: int  # the cache generation the locations belong to
 
 
@@ -194,32 +195,73 @@ class EmbeddingCache:
         self._flush_spill()
         self.generation += 1
         self.batch_counter += 1
-        dev = self.device
         uniq, inverse, counts, n_uniq = kernels.unique_ids(ids, padding_idx)
+        # Per-unique buffers: exactly n long on CPU (free to know there), the fixed capacity B on CUDA.
+        cap = self._on_host(n_uniq, n_lookups)
+        uniq, counts = uniq[:cap], counts[:cap]
+        loc_u, live, n_hit, n_miss = self._place(uniq, n_uniq, self.policy, spill_bound=max(0, n_lookups - self.capacity))
+        self._bump_stats(lookups=(inverse >= 0).sum(), unique=n_uniq, hits=n_hit, misses=n_miss, rows_in=n_miss)
+        if train:
+            dumped = torch.where(live, loc_u, torch.full_like(loc_u, self.dump))
+            self.slot_freq.index_add_(0, dumped, counts)
+            self.slot_last_use.index_fill_(0, dumped, self.batch_counter)
+        return BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation)
+
+    def admit_window(self, uniq: torch.Tensor, policy: Policy, next_use: torch.Tensor | None = None,
+                     now: int = 0) -> None:
+        """Admit a look-ahead window's distinct ids (ascending, at most `capacity`) in one batched transfer and
+        protect them until the next window replaces the protection.
+
+        `next_use` (host [num_rows] int64, absolute batch number of each id's next known use, -1 for none)
+        feeds the policy; `now` is the batch number the window starts at.
+        """
+        uniq = uniq.to(device=self.device, dtype=torch.int64)
+        n = uniq.numel()
+        if n > self.capacity:
+            raise ValueError(f"a window of {n} distinct ids cannot be resident in a cache of {self.capacity}")
+        self._flush_spill()
+        self.generation += 1
+        self.protected.zero_()
+        if next_use is not None:
+            slots = torch.arange(self.capacity, device=self.device)
+            absolute = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
+            kernels.row_copy(next_use, self.slot_ids[: self.capacity], absolute, slots, self.capacity)
+            self.next_use = torch.where(absolute >= now, absolute - now, torch.full_like(absolute, -1))
+        n_uniq = torch.tensor([n], dtype=torch.int64, device=self.device)
+        loc_u, _, _, n_miss = self._place(uniq, n_uniq, policy, spill_bound=0)
+        self._bump_stats(rows_in=n_miss)
+        self.protected.index_fill_(0, loc_u, True)
+        self.next_use.fill_(-1)
+
+    def release_window(self) -> None:
+        """Drop the protection of the last admitted window (the pipeline ended)."""
+        self.protected.zero_()
+
+    def _place(self, uniq, n_uniq, policy: Policy, spill_bound: int):
+        """Find or admit each of the first n_uniq ids of `uniq`; returns (loc_u, live, n_hit, n_miss).
+
+        Protected slots and this set's hits are never victims; misses beyond the free slots go to spill
+        slots (sized exactly on CPU, to `spill_bound` on CUDA)."""
+        dev = self.device
+        cap = uniq.numel()
         slot = kernels.slot_lookup(self.index_keys, self.index_slots, uniq, n_uniq)
-        positions = torch.arange(n_lookups, device=dev)
-        live = positions < n_uniq
+        live = torch.arange(cap, device=dev) < n_uniq
         is_hit = live & (slot >= 0)
         is_miss = live & (slot < 0)
         n_hit = is_hit.sum().reshape(1)
         n_miss = is_miss.sum().reshape(1)
 
-        # Protect this batch's hits (plus anything an in-flight batch protected) and pick victims.
         protected = self.protected.clone()
         protected.index_fill_(0, torch.where(is_hit, slot, torch.full_like(slot, self.capacity)), True)
         protected = protected[: self.capacity]
         n_free = (self.capacity - protected.sum()).reshape(1)
         n_admit = torch.minimum(n_miss, n_free)
-        miss_count = self._on_host(n_miss, n_lookups)
-        # Spill slots needed: on CPU exactly; on CUDA the bound that holds without extra protection.
-        spill_needed = (
-            miss_count - int(n_admit) if dev.type == "cpu" else max(0, n_lookups - self.capacity)
-        )
-        self._grow_spill(spill_needed)
+        miss_count = self._on_host(n_miss, cap)
+        self._grow_spill(miss_count - int(n_admit) if dev.type == "cpu" else spill_bound)
         k = max(1, min(miss_count, self.capacity))
         view = SlotView(self.slot_ids[: self.capacity], self.slot_freq[: self.capacity],
                         self.slot_last_use[: self.capacity], self.next_use, protected)
-        victims = kernels.victim_select(self.policy(view), k) if miss_count > 0 else None
+        victims = kernels.victim_select(policy(view), k) if miss_count > 0 else None
 
         # Rank the misses; rank r < n_admit takes victim r, the rest go to spill slots in order.
         rank = torch.cumsum(is_miss, 0) - 1
@@ -231,9 +273,9 @@ class EmbeddingCache:
         loc_u = torch.where(is_hit, slot, torch.where(is_miss, dest, torch.full_like(slot, -1)))
 
         if miss_count > 0:
-            rank_slot = torch.where(is_miss, rank, torch.full_like(rank, n_lookups))
-            miss_ids = torch.full((n_lookups + 1,), -1, dtype=torch.int64, device=dev)
-            miss_dest = torch.full((n_lookups + 1,), -1, dtype=torch.int64, device=dev)
+            rank_slot = torch.where(is_miss, rank, torch.full_like(rank, cap))
+            miss_ids = torch.full((cap + 1,), -1, dtype=torch.int64, device=dev)
+            miss_dest = torch.full((cap + 1,), -1, dtype=torch.int64, device=dev)
             miss_ids.index_put_((rank_slot,), uniq)
             miss_dest.index_put_((rank_slot,), dest)
             evicted = ((self.slot_ids[victims] >= 0) & (torch.arange(k, device=dev) < n_admit)).sum().reshape(1)
@@ -243,12 +285,7 @@ class EmbeddingCache:
             self._masked_put(self.dirty, miss_dest, torch.zeros_like(miss_dest, dtype=torch.bool), n_miss)
             self._rebuild_index()
             self._bump_stats(evictions=evicted, rows_out=written)
-        self._bump_stats(lookups=(inverse >= 0).sum(), unique=n_uniq, hits=n_hit, misses=n_miss, rows_in=n_miss)
-        if train:
-            dumped = torch.where(live, loc_u, torch.full_like(loc_u, self.dump))
-            self.slot_freq.index_add_(0, dumped, counts)
-            self.slot_last_use.index_fill_(0, dumped, self.batch_counter)
-        return BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation)
+        return loc_u, live, n_hit, n_miss
 
     def mark_dirty(self, plan: BatchPlan) -> None:
         live = torch.arange(plan.loc_u.numel(), device=self.device) < plan.n_uniq

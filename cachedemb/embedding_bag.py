@@ -225,6 +225,20 @@ class CachedEmbeddingBag(nn.Module):
             return torch.sparse_coo_tensor(idx.unsqueeze(0), values, rows.shape, check_invariants=False).coalesce()
         return torch.zeros_like(rows).index_add_(0, idx, values)
 
+    def prefetch_targets(self, batch) -> list[tuple[EmbeddingCache, torch.Tensor]]:
+        """The ids this module will look up for `batch`: a tensor of ids, an (input, offsets, ...) tuple, or a
+        dict with "input". Used by cachedemb.prefetch."""
+        if isinstance(batch, dict):
+            batch = batch["input"]
+        elif isinstance(batch, (tuple, list)):
+            batch = batch[0]
+        if not torch.is_tensor(batch):
+            raise TypeError(f"cannot find ids in a {type(batch).__name__}: give prefetch(ids=...)")
+        ids = batch.reshape(-1)
+        if self.padding_idx is not None:
+            ids = ids[ids != self.padding_idx]
+        return [(self.cache, ids)]
+
     # ----------------------------------------------------------------- table access
     def flush(self) -> None:
         """Write every dirty cached row (and its optimizer state) back to the host table."""

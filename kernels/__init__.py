@@ -1,6 +1,6 @@
 """Cache hot-path ops. Each op file holds the pure-torch reference and the Triton kernel with its launcher;
 the op's public name dispatches (Triton on CUDA, reference elsewhere; CACHEDEMB_BACKEND forces one)."""
-from .bag_backward import bag_backward_torch, bag_of_lookup, lookup_scale, per_sample_weights_grad
+from .bag_backward import bag_backward, bag_backward_torch, bag_of_lookup, lookup_scale, per_sample_weights_grad
 from .dispatch import backend_for, forced_backend, triton_available
 from .pooled_forward import MODE_MAX, MODE_MEAN, MODE_SUM, MODES, pooled_forward, pooled_forward_torch
 from .row_copy import row_copy, row_copy_torch

@@ -52,7 +52,7 @@ def cast_to(b_x, dtype: tl.constexpr, SOFT_RTNE: tl.constexpr):
     return b_x.to(dtype)
 
 
-@triton.jit(do_not_specialize=["n_bags"])
+@triton.jit
 def pooled_forward_kernel(
     rows,  # [R, D] cache rows
     loc_u,  # [U] int64 row of each unique id
@@ -61,7 +61,6 @@ def pooled_forward_kernel(
     psw,  # [B] per-sample weights (sum mode; unused unless HAS_PSW)
     out,  # [n_bags, D] rows' dtype
     max_pos,  # [n_bags, D] int64 (max mode only)
-    n_bags,
     D,
     BLOCK_D: tl.constexpr,
     MODE: tl.constexpr,
@@ -74,7 +73,7 @@ def pooled_forward_kernel(
     bos, eos = tl.load(offsets + i_b).to(tl.int64), tl.load(offsets + i_b + 1).to(tl.int64)
     b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     b_pos = tl.full([BLOCK_D], -1, dtype=tl.int64)
-    n_valid = 0
+    n_valid = tl.full([], 0, dtype=tl.int32)
     # sequential in lookup order: the same fp32 sum order as torch.embedding_bag
     for i in range(bos, eos):
         i_u = tl.load(inverse + i)
@@ -116,7 +115,7 @@ def pooled_forward_triton(rows, loc_u, inverse, offsets, mode: int, per_sample_w
     grid = (n_bags, triton.cdiv(dim, block_d))
     pooled_forward_kernel[grid](
         rows, loc_u, inverse, offsets, per_sample_weights if has_psw else inverse, out,
-        max_pos if max_pos is not None else out, n_bags, dim,
+        max_pos if max_pos is not None else out, dim,
         BLOCK_D=block_d, MODE=mode, HAS_PSW=has_psw,
         SOFT_RTNE=rows.device.type == "cpu", num_warps=max(1, min(4, block_d // 128)),
     )

@@ -12,9 +12,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
-from .bag_backward import bag_backward_torch
+from .bag_backward import backward_block_l, backward_inputs, bag_backward_torch, segment_grad
 from .dispatch import backend_for
+from .pooled_forward import cast_to
 
 SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM = "sgd", "adagrad", "rowwise_adagrad", "adam"
 RULE_KINDS = (SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM)
@@ -79,6 +82,179 @@ def sparse_update_torch(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
         denom = v_upd.add_(v_old).sqrt_().add_(rule.eps)
         w.add_(numer.div_(denom).mul_(-rule.step_size))
     rows.index_copy_(0, idx, w.to(rows.dtype))
+
+
+RULE_IDS = {SGD: 0, ADAGRAD: 1, ROWWISE_ADAGRAD: 2, ADAM: 3}
+
+
+@triton.jit
+def apply_rule(rows, s0, s1, i_r, o_d, m_d, D, b_g, b_den, neg_lr, eps, c1, c2, neg_step,
+               RULE: tl.constexpr, SOFT_RTNE: tl.constexpr):
+    """Update columns o_d of row i_r (and its state) with the fp32 gradient b_g, in the reference's order.
+    b_den: row-wise Adagrad's sqrt(state) + eps for the row (unused by the other rules)."""
+    p_w = rows + i_r * D + o_d
+    b_w = tl.load(p_w, mask=m_d, other=0.0).to(tl.float32)
+    if RULE == 0:
+        b_w = b_w + neg_lr * b_g
+    elif RULE == 1:
+        p_s = s0 + i_r * D + o_d
+        b_s = tl.load(p_s, mask=m_d, other=0.0) + b_g * b_g
+        tl.store(p_s, b_s, mask=m_d)
+        b_w = b_w + neg_lr * tl.math.div_rn(b_g, tl.math.sqrt_rn(b_s) + eps)
+    elif RULE == 2:
+        # addcdiv on CPU: w + (value * g) / denom
+        b_w = b_w + tl.math.div_rn(neg_lr * b_g, b_den)
+    else:
+        p_m, p_v = s0 + i_r * D + o_d, s1 + i_r * D + o_d
+        b_m, b_v = tl.load(p_m, mask=m_d, other=0.0), tl.load(p_v, mask=m_d, other=0.0)
+        b_mu = (b_g - b_m) * c1
+        b_vu = (b_g * b_g - b_v) * c2
+        tl.store(p_m, b_m + b_mu, mask=m_d)
+        tl.store(p_v, b_v + b_vu, mask=m_d)
+        b_w = b_w + tl.math.div_rn(b_mu + b_m, tl.math.sqrt_rn(b_vu + b_v) + eps) * neg_step
+    tl.store(p_w, cast_to(b_w, p_w.dtype.element_ty, SOFT_RTNE), mask=m_d)
+
+
+@triton.jit
+def rowwise_denominator(s0, i_r, b_sq, D, eps):
+    """Row-wise Adagrad: state += mean(g^2) over the row; returns sqrt(state) + eps."""
+    b_s = tl.load(s0 + i_r) + tl.math.div_rn(b_sq, tl.full([], D, dtype=tl.float32))
+    tl.store(s0 + i_r, b_s)
+    return tl.math.sqrt_rn(b_s) + eps
+
+
+@triton.jit
+def sparse_update_kernel(
+    rows,  # [R, D] updated in place
+    s0,  # first state ([R, D] or [R, 1] fp32), or a dummy
+    s1,  # second state (Adam), or a dummy
+    loc_u,  # [U] int64 row of each unique id
+    grad_u,  # [U, D] fp32
+    n_uniq,  # [1] int64 live entries of loc_u / grad_u
+    D,
+    neg_lr, eps, c1, c2, neg_step,
+    RULE: tl.constexpr,
+    SOFT_RTNE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i_u = tl.program_id(0).to(tl.int64)
+    if i_u >= tl.load(n_uniq):
+        return
+    i_r = tl.load(loc_u + i_u).to(tl.int64)
+    b_den = 0.0
+    if RULE == 2:
+        b_sq = tl.full([], 0.0, dtype=tl.float32)
+        for i_d in range(0, tl.cdiv(D, BLOCK_D)):
+            o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
+            b_g = tl.load(grad_u + i_u * D + o_d, mask=o_d < D, other=0.0)
+            b_sq += tl.sum(b_g * b_g)
+        b_den = rowwise_denominator(s0, i_r, b_sq, D, eps)
+    for i_d in range(0, tl.cdiv(D, BLOCK_D)):
+        o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
+        m_d = o_d < D
+        b_g = tl.load(grad_u + i_u * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+        apply_rule(rows, s0, s1, i_r, o_d, m_d, D, b_g, b_den, neg_lr, eps, c1, c2, neg_step, RULE, SOFT_RTNE)
+
+
+@triton.jit
+def backward_update_kernel(
+    rows,  # [R, D] updated in place
+    s0,  # first state ([R, D] or [R, 1] fp32), or a dummy
+    s1,  # second state (Adam), or a dummy
+    loc_u,  # [B] int64 row of each unique id
+    n_uniq,  # [1] int64
+    grad_out,  # [n_bags, D]
+    perm,  # [B] int64 lookups sorted by unique position
+    ptr,  # [B + 1] int64 group starts
+    bag,  # [B] int64 bag of each lookup
+    scale,  # [B] fp32 (sum / mean)
+    max_pos,  # [n_bags, D] int64 (max)
+    D,
+    neg_lr, eps, c1, c2, neg_step,
+    MODE: tl.constexpr,
+    RULE: tl.constexpr,
+    SOFT_RTNE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i_u = tl.program_id(0).to(tl.int64)
+    if i_u >= tl.load(n_uniq):
+        return
+    i_r = tl.load(loc_u + i_u).to(tl.int64)
+    bos, eos = tl.load(ptr + i_u), tl.load(ptr + i_u + 1)
+    b_den = 0.0
+    if RULE == 2:
+        # the row's mean of g^2 comes first: reduce every D-block once, then again to update
+        b_sq = tl.full([], 0.0, dtype=tl.float32)
+        for i_d in range(0, tl.cdiv(D, BLOCK_D)):
+            o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
+            b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, o_d < D, D,
+                               MODE, BLOCK_L, BLOCK_D)
+            b_sq += tl.sum(b_g * b_g)
+        b_den = rowwise_denominator(s0, i_r, b_sq, D, eps)
+    for i_d in range(0, tl.cdiv(D, BLOCK_D)):
+        o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
+        m_d = o_d < D
+        b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, MODE, BLOCK_L, BLOCK_D)
+        apply_rule(rows, s0, s1, i_r, o_d, m_d, D, b_g, b_den, neg_lr, eps, c1, c2, neg_step, RULE, SOFT_RTNE)
+
+
+def _rule_args(rows, states, rule: UpdateRule):
+    if len(states) != rule.num_states:
+        raise ValueError(f"{rule.kind} needs {rule.num_states} state tensor(s), got {len(states)}")
+    for st in states:
+        if st.dtype != torch.float32 or not st.is_contiguous() or st.shape[0] != rows.shape[0]:
+            raise ValueError(f"optimizer states must be contiguous fp32 [{rows.shape[0]}, D or 1], "
+                             f"got {st.dtype} {tuple(st.shape)}")
+    if not rows.is_contiguous():
+        raise ValueError("rows must be contiguous (updated in place)")
+    s0 = states[0] if len(states) > 0 else rows
+    s1 = states[1] if len(states) > 1 else s0
+    scalars = (-rule.lr, rule.eps, 1 - rule.beta1, 1 - rule.beta2, -rule.step_size)
+    return s0, s1, scalars
+
+
+def _update_block_d(dim: int) -> int:
+    return min(triton.next_power_of_2(dim), 128)
+
+
+def sparse_update_triton(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
+    """Triton path of sparse_update: one program per unique position (grid = capacity); those past n_uniq exit."""
+    capacity, dim = loc_u.numel(), rows.shape[1]
+    if capacity == 0:
+        return
+    s0, s1, scalars = _rule_args(rows, states, rule)
+    block_d = _update_block_d(dim)
+    sparse_update_kernel[(capacity,)](
+        rows, s0, s1, loc_u, grad_u.contiguous(), n_uniq.reshape(1), dim, *scalars,
+        RULE=RULE_IDS[rule.kind], SOFT_RTNE=rows.device.type == "cpu", BLOCK_D=block_d,
+        num_warps=max(1, min(4, block_d // 128)),
+    )
+
+
+def _backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode, per_sample_weights,
+                            max_pos, rule, block_l=None):
+    capacity, dim = inverse.numel(), rows.shape[1]
+    if capacity == 0:
+        return
+    s0, s1, scalars = _rule_args(rows, states, rule)
+    grad_out = grad_out.contiguous()
+    perm, ptr, bag, scale, max_pos = backward_inputs(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
+    block_l = block_l or backward_block_l(rows.device)
+    block_d = _update_block_d(dim)
+    backward_update_kernel[(capacity,)](
+        rows, s0, s1, loc_u, n_uniq.reshape(1), grad_out, perm, ptr, bag, scale, max_pos.contiguous(), dim,
+        *scalars, MODE=mode, RULE=RULE_IDS[rule.kind], SOFT_RTNE=rows.device.type == "cpu", BLOCK_L=block_l,
+        BLOCK_D=block_d, num_warps=4 if block_l > 1 else 1,
+    )
+
+
+def backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode: int,
+                           per_sample_weights, max_pos, rule: UpdateRule):
+    """Fused Triton path: one program per unique id (grid = capacity B, those past n_uniq exit) sums the
+    gradient of its lookups (grouped by a stable sort, no atomics) and applies the rule to its row in place."""
+    _backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode, per_sample_weights,
+                            max_pos, rule)
 
 
 def sparse_update(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):

@@ -1,0 +1,122 @@
+"""Training-step time of CachedEmbeddingBag vs nn.EmbeddingBag(sparse=True) + torch.optim.SGD, same device.
+
+A step is forward + backward + SGD update of a batch of `batch` bags x `pooling` Zipf ids. Prints one JSON
+object: per table size the median step time of each implementation, their ratio, the cache hit rate, and the
+ratio of the largest table's cached step to the smallest's (per-step cost must not grow with the table).
+
+    python scripts/bench_embedding_bag.py --rows 1000000 20000000 --out benchmarks/results/x.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import cachedemb
+from cachedemb.traces import zipf_trace
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step, batches, warmup, device):
+    for ids in batches[:warmup]:
+        step(ids)
+    sync(device)
+    times = []
+    for ids in batches[warmup:]:
+        t0 = time.perf_counter()
+        step(ids)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench_one(num_rows, args, device):
+    lookups = args.batch * args.pooling
+    trace = zipf_trace(num_rows, lookups, args.warmup + args.steps, args.alpha, seed=0)
+    batches = [torch.from_numpy(b).to(torch.int64) for b in trace]
+    offsets = torch.arange(args.batch, dtype=torch.int64) * args.pooling
+    result = {"num_rows": num_rows}
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.empty(num_rows, args.dim).normal_(generator=gen)
+    cached = cachedemb.CachedEmbeddingBag(num_rows, args.dim, mode="sum", cache_ratio=args.cache_ratio,
+                                          optimizer=cachedemb.optim.SGD(lr=0.01), _weight=weight,
+                                          device=device)
+
+    def cached_step(ids):
+        cached(ids.to(device, non_blocking=True), offsets.to(device)).sum().backward()
+
+    t = time_steps(cached_step, batches, args.warmup, device)
+    result["cached_step_s"] = statistics.median(t)
+    stats = cached.cache_stats()
+    result["cache_rows"] = cached.cache.capacity
+    result["hit_rate"] = stats["hits"] / max(1, stats["unique"])
+    result["unique_per_batch"] = stats["unique"] / (args.warmup + args.steps)
+    del cached
+    gc.collect()
+
+    if not args.skip_reference:
+        ref = nn.EmbeddingBag(num_rows, args.dim, mode="sum", sparse=True, _weight=weight, device=device)
+        opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+
+        def ref_step(ids):
+            opt.zero_grad()
+            ref(ids.to(device, non_blocking=True), offsets.to(device)).sum().backward()
+            opt.step()
+
+        t = time_steps(ref_step, batches, args.warmup, device)
+        result["reference_step_s"] = statistics.median(t)
+        result["ratio"] = result["cached_step_s"] / result["reference_step_s"]
+        del ref, opt
+    del weight
+    gc.collect()
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 20_000_000])
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16384)
+    p.add_argument("--pooling", type=int, default=26)
+    p.add_argument("--alpha", type=float, default=1.05)
+    p.add_argument("--cache-ratio", type=float, default=0.01)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--skip-reference", action="store_true")
+    p.add_argument("--out", help="also write the JSON here")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    runs = [bench_one(n, args, device) for n in args.rows]
+    report = {
+        "benchmark": "embedding_bag_step",
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "cpu_threads": torch.get_num_threads(),
+                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
+        "torch": torch.__version__,
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "runs": runs,
+    }
+    if len(runs) > 1:
+        report["largest_over_smallest_cached_step"] = runs[-1]["cached_step_s"] / runs[0]["cached_step_s"]
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

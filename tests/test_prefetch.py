@@ -1,0 +1,140 @@
+"""The look-ahead pipeline: same table as without it (bit-exact on CPU), windows all-hit, shrinking windows,
+hazards refused, next-use bookkeeping against brute force, DataLoader batches."""
+import numpy as np
+import pytest
+import torch
+
+import cachedemb
+from cachedemb import optim
+from cachedemb.prefetch import NextUseTracker
+
+
+def zipf_batches(num, steps, bags=8, bag_len=5, seed=0, alpha=1.1):
+    rng = np.random.default_rng(seed)
+    p = np.arange(1, num + 1, dtype=np.float64) ** -alpha
+    p /= p.sum()
+    perm = rng.permutation(num)
+    out = []
+    for _ in range(steps):
+        ids = torch.from_numpy(perm[rng.choice(num, size=bags * bag_len, p=p)])
+        out.append((ids, torch.arange(bags) * bag_len))
+    return out
+
+
+def train(emb, batches, wrap=None):
+    it = wrap(batches) if wrap else batches
+    for ids, offsets in it:
+        emb(ids, offsets).tanh().sum().backward()
+    return emb.weight.clone()
+
+
+def make(cache_rows, spec=None, seed=0):
+    torch.manual_seed(seed)
+    return cachedemb.CachedEmbeddingBag(500, 6, mode="sum", cache_rows=cache_rows, device="cpu",
+                                        optimizer=spec or optim.Adam(lr=0.01))
+
+
+@pytest.mark.parametrize("depth,horizon", [(1, 1), (2, 8), (4, 16), (7, 64)])
+@pytest.mark.parametrize("cache_rows", [40, 90])
+def test_prefetch_training_is_bit_exact(depth, horizon, cache_rows):
+    batches = zipf_batches(500, 40)
+    plain = train(make(cache_rows), batches)
+    emb = make(cache_rows)
+    got = train(emb, batches, lambda b: cachedemb.prefetch(b, [emb], depth=depth, horizon=horizon))
+    assert torch.equal(got, plain)
+
+
+def test_windows_make_every_forward_a_hit_and_lock_the_window():
+    batches = zipf_batches(500, 24, bags=4, bag_len=4)
+    emb = make(cache_rows=200)
+    pipe = cachedemb.prefetch(batches, [emb], depth=4, horizon=16)
+    for i, (ids, offsets) in enumerate(pipe):
+        if i % 4 == 0:
+            # At a window start every row of the window's batches is resident and protected.
+            window = torch.unique(torch.cat([b[0] for b in batches[i:i + 4]]))
+            resident = emb.cache.slot_ids[: emb.cache.capacity]
+            protected_ids = resident[emb.cache.protected[: emb.cache.capacity]]
+            assert set(window.tolist()) <= set(protected_ids.tolist())
+        emb(ids, offsets).sum().backward()
+    stats = emb.cache_stats()
+    assert stats["misses"] == 0 and stats["hits"] == stats["unique"]
+    assert stats["rows_in"] > 0
+    assert pipe.window_batches == [4] * 6
+    assert not bool(emb.cache.protected.any()), "protection must be dropped when the pipeline ends"
+
+
+def test_windows_shrink_and_oversized_batches_take_the_spill_path():
+    batches = zipf_batches(500, 12, bags=6, bag_len=5, alpha=0.5)  # ~25 distinct ids per batch
+    emb = make(cache_rows=30)
+    plain = train(make(cache_rows=30), batches)
+    pipe = cachedemb.prefetch(batches, [emb], depth=4, horizon=8)
+    got = train(emb, batches, lambda b: pipe)
+    assert torch.equal(got, plain)
+    assert max(pipe.window_batches) < 4, pipe.window_batches
+    tiny = make(cache_rows=5)
+    pipe = cachedemb.prefetch(batches, [tiny], depth=2, horizon=4)
+    assert torch.equal(train(tiny, batches, lambda b: pipe), train(make(cache_rows=5), batches))
+    assert set(pipe.window_batches) == {0}
+
+
+def test_backward_after_the_next_admission_is_refused():
+    batches = zipf_batches(500, 8)
+    emb = make(cache_rows=60)
+    it = iter(cachedemb.prefetch(batches, [emb], depth=1, horizon=4))
+    ids, offsets = next(it)
+    out = emb(ids, offsets)
+    next(it)  # admits the next window while batch 0's backward is still pending
+    with pytest.raises(RuntimeError, match="later forward"):
+        out.sum().backward()
+
+
+def test_next_use_tracker_matches_brute_force():
+    rng = np.random.default_rng(0)
+    num, steps, horizon = 30, 40, 5
+    batches = [torch.unique(torch.from_numpy(rng.integers(0, num, 6))) for _ in range(steps)]
+    tracker = NextUseTracker(num)
+    read = 0
+    for t in range(steps):
+        while read < min(steps, t + horizon):
+            tracker.enter(read, batches[read])
+            read += 1
+        for i in range(num):
+            future = [b for b in range(t, read) if i in batches[b].tolist()]
+            assert int(tracker.next_use[i]) == (future[0] if future else -1), (t, i)
+        tracker.retire(t, batches[t])
+
+
+def test_works_with_a_dataloader_and_an_ids_function():
+    batches = zipf_batches(500, 10)
+
+    class Pairs(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(batches)
+
+        def __getitem__(self, i):
+            return batches[i]
+
+    loader = torch.utils.data.DataLoader(Pairs(), batch_size=None)
+    emb = make(cache_rows=60)
+    got = train(emb, batches, lambda b: cachedemb.prefetch(loader, [emb], depth=3, horizon=6,
+                                                           ids=lambda batch: [batch[0]]))
+    assert torch.equal(got, train(make(cache_rows=60), batches))
+
+
+def test_lookahead_moves_fewer_rows_than_lfu():
+    batches = zipf_batches(500, 60, bags=8, bag_len=4, seed=3)
+    lfu = make(cache_rows=60)
+    train(lfu, batches)
+    ahead = make(cache_rows=60)
+    train(ahead, batches, lambda b: cachedemb.prefetch(b, [ahead], depth=1, horizon=32))
+    assert ahead.cache_stats()["rows_in"] < lfu.cache_stats()["rows_in"]
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(depth=0), "depth"), (dict(depth=4, horizon=2), "horizon"),
+                                          (dict(modules=[]), "modules")])
+def test_bad_arguments(kwargs, match):
+    emb = make(cache_rows=10)
+    args = dict(modules=[emb])
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        cachedemb.prefetch([], **args)
