@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import backend_for
-from .pooled_forward import MODE_MAX, MODE_MEAN
+from .pooled_forward import MODE_MAX, MODE_MEAN, MODE_SUM
 
 
 def bag_of_lookup(offsets: torch.Tensor, n_lookups: int) -> torch.Tensor:
@@ -53,6 +53,23 @@ def bag_backward_torch(grad_out, inverse, offsets, mode: int, per_sample_weights
     scale = lookup_scale(inverse, offsets, mode, per_sample_weights)
     contrib = grad_out[bag] * scale.unsqueeze(1)
     grad_u.index_add_(0, inverse.clamp(min=0), contrib)
+    return grad_u
+
+
+def unique_grad_torch(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None):
+    """grad_u for the live unique ids only ([n, D] fp32; n read on the host). Sum/mean reduce each unique id's
+    lookups with torch.embedding_bag over grad_out (no [B, D] intermediate); max falls back to the reference."""
+    if mode == MODE_MAX:
+        grad_u = bag_backward_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
+        n = int(inverse.max()) + 1 if inverse.numel() else 0
+        return grad_u[:n]
+    perm, ptr = lookup_groups(inverse)
+    n = int((ptr[1:] > ptr[:-1]).sum())
+    n_lookups = inverse.numel()
+    bag = bag_of_lookup(offsets, n_lookups)[perm]
+    scale = lookup_scale(inverse, offsets, mode, per_sample_weights)[perm]
+    grad_u, _, _, _ = torch.embedding_bag(grad_out.float().contiguous(), bag, ptr[:n], False, MODE_SUM, False,
+                                          scale, False, None)
     return grad_u
 
 

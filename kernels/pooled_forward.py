@@ -20,7 +20,11 @@ MODES = {"sum": MODE_SUM, "mean": MODE_MEAN, "max": MODE_MAX}
 
 
 def pooled_forward_torch(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None):
-    """Reference: gather the rows each lookup reads, then torch.embedding_bag with an appended zero pad row."""
+    """Reference: torch.embedding_bag on the rows each lookup reads. fp32 sum/mean read the cache rows in
+    place (padding lookups get weight 0, and mean becomes a weighted sum); max and half precision gather the
+    lookups' rows (in fp32) and pool them with an appended zero pad row."""
+    if mode != MODE_MAX and rows.dtype == torch.float32:
+        return _pooled_in_place(rows, loc_u, inverse, offsets, mode, per_sample_weights), None
     n_lookups = inverse.numel()
     valid = inverse >= 0
     lookup_rows = loc_u[inverse.clamp(min=0)]
@@ -38,6 +42,25 @@ def pooled_forward_torch(rows, loc_u, inverse, offsets, mode: int, per_sample_we
     empty = (bag_size == 0).unsqueeze(1)
     max_pos = torch.where(empty, torch.full_like(max_idx, -1), max_idx)
     return out, max_pos
+
+
+def _pooled_in_place(rows, loc_u, inverse, offsets, mode, per_sample_weights):
+    idx = loc_u[inverse.clamp(min=0)]
+    valid = inverse >= 0
+    starts = offsets[:-1]
+    if bool(valid.all()):
+        psw = per_sample_weights.float() if per_sample_weights is not None else None
+        return torch.embedding_bag(rows, idx, starts, False, mode, False, psw, False, None)[0]
+    weight = valid.float()
+    if per_sample_weights is not None:
+        weight = weight * per_sample_weights.float()
+    if mode == MODE_MEAN:
+        lengths = offsets[1:] - offsets[:-1]
+        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths,
+                                      output_size=inverse.numel())
+        count = torch.zeros(lengths.numel(), device=offsets.device).index_add_(0, bag, valid.float())
+        weight = weight / count.clamp(min=1)[bag]
+    return torch.embedding_bag(rows, idx, starts, False, MODE_SUM, False, weight, False, None)[0]
 
 
 @triton.jit

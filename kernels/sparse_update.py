@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bag_backward import backward_block_l, backward_inputs, bag_backward_torch, segment_grad
+from .bag_backward import unique_grad_torch, backward_block_l, backward_inputs, bag_backward_torch, segment_grad
 from .dispatch import backend_for
 from .pooled_forward import cast_to
 
@@ -265,8 +265,8 @@ def sparse_update(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
 
 def backward_update_torch(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode: int,
                           per_sample_weights, max_pos, rule: UpdateRule):
-    """Reference of the fused op: segment reduction, then the update."""
-    grad_u = bag_backward_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
+    """Reference of the fused op: segment reduction (of the live unique ids only), then the update."""
+    grad_u = unique_grad_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
     sparse_update_torch(rows, states, loc_u, grad_u, n_uniq, rule)
 
 

@@ -75,7 +75,12 @@ def test_pooled_forward(mode_name, dim, dtype):
     out, max_pos = pooled_forward_triton(*args)
     ref_out, ref_pos = kernels.pooled_forward_torch(*args)
     assert out.dtype == dtype and out.shape == ref_out.shape
-    assert torch.equal(bits(out), bits(ref_out)), (out - ref_out).abs().max()
+    if mode == MODE_MAX or dtype != torch.float32:
+        # max is a copy; half precision rows go through the reference's fp32 gather path: bit-exact.
+        assert torch.equal(bits(out), bits(ref_out)), (out - ref_out).abs().max()
+    else:
+        # The fp32 reference pools in place with torch.embedding_bag (vectorized, may fuse multiply-adds).
+        assert_close(out, ref_out, 1e-6, 1e-6, "fp32 pooled sum/mean")
     if mode == MODE_MAX:
         assert torch.equal(max_pos, ref_pos)
         assert (max_pos[[0, 3, 7]] == -1).all() and (out[[0, 3, 7]] == 0).all()
