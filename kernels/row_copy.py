@@ -6,13 +6,29 @@ buffers with a device-side count and never compact on the host. 1-D tensors are 
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
+import triton
+import triton.language as tl
 
 from .dispatch import backend_for
+
+ROW_COPY_MODES = ("zero_copy", "staged")
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.unsqueeze(1) if t.dim() == 1 else t
+
+
+def row_copy_mode() -> str:
+    """How host<->cuda copies run: `CACHEDEMB_ROW_COPY=zero_copy` (default; the kernel addresses the pinned host
+    table through UVA) or `staged` (host gather into a reused pinned buffer + async copy). Read at call time."""
+    value = os.environ.get("CACHEDEMB_ROW_COPY", "").strip().lower() or "zero_copy"
+    if value not in ROW_COPY_MODES:
+        raise ValueError(f"CACHEDEMB_ROW_COPY={value!r}: expected one of {ROW_COPY_MODES} or unset")
+    return value
 
 
 def row_copy_torch(src, src_idx, dst, dst_idx, n):
@@ -25,6 +41,117 @@ def row_copy_torch(src, src_idx, dst, dst_idx, n):
     if s.numel() == 0:
         return
     rows = src2.index_select(0, s.to(src2.device))
+    dst2.index_copy_(0, d.to(dst2.device), rows.to(device=dst2.device, dtype=dst2.dtype))
+
+
+@triton.jit(do_not_specialize=["n_cap"])
+def row_copy_kernel(p_src, p_src_idx, p_dst, p_dst_idx, n_ptr, n_cap, D, s_src_r, s_src_d, s_dst_r, s_dst_d,
+                    N_FROM_PTR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A [BLOCK_R, BLOCK_D] tile of copy pairs: dst[dst_idx[i], d] = src[src_idx[i], d] for i < n, both idx >= 0.
+    n is min(*n_ptr, n_cap) with N_FROM_PTR, else n_cap. Either side may be pinned host memory (UVA)."""
+    i_r, i_d = tl.program_id(0), tl.program_id(1)
+    o_r = i_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_d = i_d.to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_r = o_r < n_cap
+    if N_FROM_PTR:
+        m_r = m_r & (o_r < tl.load(n_ptr))
+    b_s = tl.load(p_src_idx + o_r, mask=m_r, other=-1).to(tl.int64)
+    b_t = tl.load(p_dst_idx + o_r, mask=m_r, other=-1).to(tl.int64)
+    m_r = m_r & (b_s >= 0) & (b_t >= 0)
+    m = m_r[:, None] & (o_d < D)[None, :]
+    b_x = tl.load(p_src + b_s[:, None] * s_src_r + o_d[None, :] * s_src_d, mask=m)
+    tl.store(p_dst + b_t[:, None] * s_dst_r + o_d[None, :] * s_dst_d, b_x.to(p_dst.dtype.element_ty), mask=m)
+
+
+def row_copy_triton(src, src_idx, dst, dst_idx, n):
+    """Same effect as `row_copy_torch`, no host sync when n is a device tensor. For host<->cuda copies the host
+    side must be pinned (zero-copy); with `CACHEDEMB_ROW_COPY=staged` or an unpinned host side this goes through
+    `row_copy_staged` instead."""
+    src2, dst2 = _as_rows(src), _as_rows(dst)
+    if src2.shape[1] != dst2.shape[1]:
+        raise ValueError(f"row_copy: src has {src2.shape[1]} columns, dst {dst2.shape[1]}; they must match")
+    if src2.device.type != dst2.device.type:
+        host = src if src2.device.type == "cpu" else dst
+        if row_copy_mode() == "staged" or not host.is_pinned():
+            return row_copy_staged(src, src_idx, dst, dst_idx, n)
+    cuda = next((t.device for t in (src2, dst2, src_idx) if t.device.type == "cuda"), None)
+    n_cap = min(src_idx.numel(), dst_idx.numel())
+    if torch.is_tensor(n) and not (cuda is not None and n.device.type == "cpu"):
+        n_ptr, from_ptr = n.reshape(1), True
+    else:
+        n_cap, n_ptr, from_ptr = min(n_cap, max(int(n), 0)), src_idx, False  # a CPU count is read for free
+    D = src2.shape[1]
+    if n_cap == 0 or D == 0:
+        return
+    if cuda is not None:
+        src_idx, dst_idx, n_ptr = (t if t.is_cuda or t.is_pinned() else t.to(cuda) for t in (src_idx, dst_idx, n_ptr))
+    if cuda is not None:
+        BLOCK_D = min(triton.next_power_of_2(D), 256)
+        BLOCK_R = max(1, 2048 // BLOCK_D)
+    else:  # the interpreter: few, large programs
+        BLOCK_D = min(triton.next_power_of_2(D), 1024)
+        BLOCK_R = min(max(1, 16384 // BLOCK_D), triton.next_power_of_2(n_cap))
+    grid = (triton.cdiv(n_cap, BLOCK_R), triton.cdiv(D, BLOCK_D))
+    with torch.cuda.device(cuda) if cuda is not None else contextlib.nullcontext():
+        row_copy_kernel[grid](src2, src_idx, dst2, dst_idx, n_ptr, n_cap, D, src2.stride(0), src2.stride(1),
+                              dst2.stride(0), dst2.stride(1), N_FROM_PTR=from_ptr, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+
+
+class _StagingBuffer:
+    """One reused host buffer per (dtype, columns), pinned when CUDA exists; grows by doubling. `ready` is the event
+    of the last async copy out of it, waited on before the host writes into it again."""
+
+    def __init__(self):
+        self.buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self.ready: dict[tuple[torch.dtype, int], torch.cuda.Event] = {}
+
+    def get(self, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+        key = (dtype, cols)
+        event = self.ready.pop(key, None)
+        if event is not None:
+            event.synchronize()
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < rows * cols:
+            size = triton.next_power_of_2(max(rows, 64)) * cols
+            buf = torch.empty(size, dtype=dtype, pin_memory=torch.cuda.is_available())
+            self.buffers[key] = buf
+        return buf[: rows * cols].view(rows, cols)
+
+    def record(self, dtype: torch.dtype, cols: int) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        self.ready[(dtype, cols)] = event
+
+
+_STAGING = _StagingBuffer()
+
+
+def row_copy_staged(src, src_idx, dst, dst_idx, n):
+    """Fallback for host<->cuda copies: the pairs are read on the host (a sync), host rows are gathered into the
+    reused staging buffer and copied asynchronously; rows for the host are gathered on the device, staged and
+    scattered on the host after the copy lands (a sync). Works for any pair of devices."""
+    src2, dst2 = _as_rows(src), _as_rows(dst)
+    m = max(0, min(int(n), src_idx.numel(), dst_idx.numel()))
+    s = src_idx[:m].to("cpu", torch.int64)
+    d = dst_idx[:m].to("cpu", torch.int64)
+    sel = (s >= 0) & (d >= 0)
+    s, d = s[sel], d[sel]
+    count, cols = s.numel(), src2.shape[1]
+    if count == 0:
+        return
+    if src2.device.type == "cpu":
+        rows = _STAGING.get(src2.dtype, count, cols)
+        torch.index_select(src2, 0, s, out=rows)
+        if dst2.device.type == "cuda":
+            with torch.cuda.device(dst2.device):
+                rows = rows.to(dst2.device, non_blocking=True)
+                _STAGING.record(src2.dtype, cols)
+    else:
+        rows = src2.index_select(0, s.to(src2.device))
+        if dst2.device.type == "cpu":
+            staged = _STAGING.get(src2.dtype, count, cols)
+            staged.copy_(rows)  # device -> host: waits for the copy, so the host scatter below reads landed rows
+            rows = staged
     dst2.index_copy_(0, d.to(dst2.device), rows.to(device=dst2.device, dtype=dst2.dtype))
 
 

@@ -19,14 +19,14 @@ def victim_select_torch(score: torch.Tensor, k: int):
     k = min(int(k), score.numel())
     return torch.topk(score, k, largest=False, sorted=True).indices
 
-RADIX_BITS = 8
+RADIX_BITS = 8  # the kernels below are written for 8-bit digits (0xFF, 256 bins)
 N_BINS = 1 << RADIX_BITS
 N_PASSES = 64 // RADIX_BITS
 
 
 @triton.jit
 def _prefix_match(b_score, prefix, shift):
-    # Scores whose bits above `shift + RADIX_BITS` equal the prefix found so far (all of them in the first pass).
+    # Scores whose bits above `shift + 8` equal the prefix found so far (all of them in the first pass).
     b_hi = ((b_score ^ prefix) >> shift) >> 8  # two shifts: one by 64 would be undefined
     return (b_hi == 0) | (shift + 8 >= 64)
 

@@ -1,11 +1,13 @@
-"""Test setup: Triton runs under its interpreter on CPU (must be set before triton is first imported), and
-fresh `torch.empty` buffers are poisoned with NaN so a kernel that reads memory nobody wrote fails loudly."""
+"""Test setup: without CUDA, Triton runs under its interpreter (set before triton is first imported; importing
+torch does not import triton), and fresh `torch.empty` buffers are poisoned with NaN so a kernel that reads
+memory nobody wrote fails loudly."""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _real_empty = torch.empty
 
