@@ -1,7 +1,8 @@
 """cachedemb: nn.EmbeddingBag with the table in host memory behind a frequency-aware device cache."""
 from cachedemb import optim
+from cachedemb.collection import CachedEmbeddingBagCollection, TableConfig
 from cachedemb.embedding_bag import CachedEmbeddingBag
 from cachedemb.prefetch import prefetch
 
-__all__ = ["CachedEmbeddingBag", "optim", "prefetch"]
+__all__ = ["CachedEmbeddingBag", "CachedEmbeddingBagCollection", "TableConfig", "optim", "prefetch"]
 __version__ = "0.1.0"

@@ -75,6 +75,7 @@ class EmbeddingCache:
         self.batch_counter = 0
         self._allocate(self.capacity)
         self.stats = torch.zeros(len(STAT_NAMES), dtype=torch.int64, device=self.device)
+        self._stat_index: dict[tuple, torch.Tensor] = {}
 
     # ----------------------------------------------------------------- device buffers
     def _allocate(self, slots: int) -> None:
@@ -133,7 +134,12 @@ class EmbeddingCache:
         return upper
 
     def _bump_stats(self, **values: torch.Tensor) -> None:
-        idx = torch.tensor([_STAT[k] for k in values], device=self.device)
+        keys = tuple(values)
+        idx = self._stat_index.get(keys)
+        if idx is None or idx.device != self.device:
+            # Built once per key set: a host->device copy per batch would be a sync on CUDA.
+            idx = torch.tensor([_STAT[k] for k in keys], device=self.device)
+            self._stat_index[keys] = idx
         vals = torch.stack([v.reshape(()).to(torch.int64) for v in values.values()])
         self.stats.index_add_(0, idx, vals)
 
@@ -166,7 +172,7 @@ class EmbeddingCache:
         """target[index[i]] = values[i] for i < n, without a host sync (the rest go to the dump element)."""
         live = torch.arange(index.numel(), device=index.device) < n
         index = torch.where(live & (index >= 0), index, torch.full_like(index, self.dump))
-        target.index_put_((index,), values if torch.is_tensor(values) else torch.tensor(values, device=index.device))
+        target.index_put_((index,), values)
 
     def _rebuild_index(self) -> None:
         ids = self.slot_ids[: self.capacity]
@@ -227,7 +233,7 @@ class EmbeddingCache:
             absolute = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
             kernels.row_copy(next_use, self.slot_ids[: self.capacity], absolute, slots, self.capacity)
             self.next_use = torch.where(absolute >= now, absolute - now, torch.full_like(absolute, -1))
-        n_uniq = torch.tensor([n], dtype=torch.int64, device=self.device)
+        n_uniq = torch.full((1,), n, dtype=torch.int64, device=self.device)
         loc_u, _, _, n_miss = self._place(uniq, n_uniq, policy, spill_bound=0)
         self._bump_stats(rows_in=n_miss)
         self.protected.index_fill_(0, loc_u, True)

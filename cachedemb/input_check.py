@@ -78,7 +78,7 @@ def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, includ
         if include_last_offset:
             full = offs
         else:
-            full = torch.cat([offs, torch.tensor([n], dtype=torch.int64, device=device)])
+            full = torch.cat([offs, torch.full((1,), n, dtype=torch.int64, device=device)])
     else:
         raise ValueError(f"input must be 1-D (with offsets) or 2-D, got {input.dim()}-D shape {tuple(input.shape)}")
 

@@ -10,13 +10,13 @@ from cachedemb import optim
 NUM, DIM, STEPS, BAGS, BAG_LEN = 4000, 16, 200, 32, 6
 
 
-def zipf_batches(seed, steps=STEPS, num=NUM):
+def zipf_batches(seed, steps=None, num=NUM):
     rng = np.random.default_rng(seed)
     ranks = np.arange(1, num + 1, dtype=np.float64)
     p = ranks**-1.05
     p /= p.sum()
     perm = rng.permutation(num)
-    for _ in range(steps):
+    for _ in range(STEPS if steps is None else steps):
         lengths = rng.integers(0, BAG_LEN + 1, BAGS)
         ids = perm[rng.choice(num, size=int(lengths.sum()), p=p)]
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])

@@ -1,0 +1,346 @@
+"""Train and evaluate DLRM with a CachedEmbeddingBagCollection: `python -m recipes.dlrm.main --help`.
+
+`main(argv)` returns the final metrics dict (and prints it as one JSON line), so tests call it directly.
+Data: --data synthetic generates a planted-signal Criteo TSV and preprocesses it; the real data sets are
+preprocessed from their raw files in --data-dir on first use (to --data-dir/preprocessed).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import json
+import math
+import os
+import random
+import sys
+import time
+import types
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import cachedemb
+from cachedemb import optim
+from recipes.dlrm.configs import DATA_PRESET, RunPreset, get_preset
+from recipes.dlrm.data import (PreprocessedSplit, load_id_freq, load_metadata, preprocess_avazu,
+                               preprocess_criteo_1tb, preprocess_criteo_kaggle, write_criteo_tsv)
+from recipes.dlrm.model import DLRM, DLRMConfig
+
+SPARSE_OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "rowwise_adagrad": optim.RowWiseAdagrad,
+                     "adam": optim.Adam}
+CHECKPOINT = "latest.pt"
+FINAL = "final.pt"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m recipes.dlrm.main", description=__doc__.splitlines()[0])
+    p.add_argument("--data", choices=sorted(DATA_PRESET), default="synthetic")
+    p.add_argument("--data-dir", default=None, help="raw files (real data) or where to generate (synthetic; "
+                   "default ./data/synthetic)")
+    p.add_argument("--synthetic-rows", type=int, default=None)
+    p.add_argument("--cache-ratio", type=float, default=None)
+    p.add_argument("--prefetch-depth", type=int, default=0, help="batches to prefetch ahead (0 = off)")
+    p.add_argument("--prefetch-horizon", type=int, default=None)
+    p.add_argument("--optimizer", choices=sorted(SPARSE_OPTIMIZERS), default=None, help="embedding optimizer")
+    p.add_argument("--lr", type=float, default=None, help="embedding learning rate")
+    p.add_argument("--dense-optimizer", choices=["adagrad", "sgd"], default=None)
+    p.add_argument("--dense-lr", type=float, default=None)
+    p.add_argument("--embedding-dim", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--limit-batches", type=int, default=None, help="train batches per epoch at most")
+    p.add_argument("--eval-batches", type=int, default=None, help="val batches to evaluate at most")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--log-dir", default=None, help="CSV log (and TensorBoard if installed)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0 = off)")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir/latest.pt")
+    p.add_argument("--stop-after-steps", type=int, default=None, help=argparse.SUPPRESS)  # simulates a crash
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    preset = get_preset(DATA_PRESET[args.data])
+    for name in ("synthetic_rows", "cache_ratio", "optimizer", "lr", "dense_optimizer", "dense_lr",
+                 "embedding_dim", "batch_size", "epochs"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    for name in ("batch_size", "epochs", "embedding_dim", "log_every"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.cache_ratio <= 1:
+        raise ValueError(f"--cache-ratio must be in (0, 1], got {args.cache_ratio}")
+    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
+        raise ValueError("--checkpoint-every/--resume need --checkpoint-dir")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.preset = preset
+    return args
+
+
+# --------------------------------------------------------------------------------------------- data
+def _require(path: Path, what: str) -> Path:
+    if not path.exists():
+        raise FileNotFoundError(f"{str(path)!r} not found; expected {what}")
+    return path
+
+
+def prepare_data(args, preset: RunPreset) -> Path:
+    """The preprocessed directory for --data, generating / preprocessing it first if needed."""
+    if args.data == "synthetic":
+        root = Path(args.data_dir or "data/synthetic") / f"criteo_{args.synthetic_rows}rows"
+        out = root / "preprocessed"
+        if not (out / "metadata.json").is_file():
+            root.mkdir(parents=True, exist_ok=True)
+            raw = root / "train.txt"
+            config = preset.dataset()
+            if not raw.is_file():
+                tmp = root / "train.txt.tmp"
+                write_criteo_tsv(tmp, args.synthetic_rows, config.table_sizes, seed=0)
+                os.replace(tmp, raw)
+            preprocess_criteo_kaggle(raw, out, config=config, train_fraction=0.9, val_fraction=0.1,
+                                     overwrite=True)
+        return out
+    if args.data_dir is None:
+        raise ValueError(f"--data {args.data} needs --data-dir (the directory of the raw files)")
+    data_dir = _require(Path(args.data_dir), f"the {args.data} data directory")
+    for candidate in (data_dir, data_dir / "preprocessed"):
+        if (candidate / "metadata.json").is_file():
+            return candidate
+    out = data_dir / "preprocessed"
+    if args.data == "criteo-kaggle":
+        raw = _require(data_dir / "train.txt", "Criteo Kaggle's train.txt (from dac.tar.gz) in --data-dir")
+        preprocess_criteo_kaggle(raw, out)
+    elif args.data == "criteo-1tb":
+        days = sorted((p for p in data_dir.glob("day_*") if p.is_file()),
+                      key=lambda p: int("".join(c for c in p.name.split(".")[0] if c.isdigit()) or 0))
+        if len(days) < 2:
+            raise FileNotFoundError(f"{str(data_dir / 'day_*')!r}: found {len(days)} day files; expected the "
+                                    "Criteo 1TB days day_0 .. day_23 (plain or .gz), at least two")
+        preprocess_criteo_1tb(days, out)
+    elif args.data == "avazu":
+        raws = [data_dir / "train.csv", data_dir / "train.gz", data_dir / "train.csv.gz"]
+        raw = next((p for p in raws if p.is_file()), None)
+        if raw is None:
+            raise FileNotFoundError(f"{str(raws[0])!r} not found; expected Avazu's train.csv (or train.gz) "
+                                    "in --data-dir")
+        preprocess_avazu(raw, out)
+    return out
+
+
+def iterate(split: PreprocessedSplit, args, epoch: int, start: int, limit: int | None):
+    batches = split.batches(args.batch_size, shuffle=True, seed=args.seed, epoch=epoch, start_batch=start,
+                            limit_batches=limit)
+    return batches
+
+
+# --------------------------------------------------------------------------------------------- model
+def build(args, preset: RunPreset, meta: dict, data_dir: Path):
+    config = DLRMConfig(num_dense=len(meta["dense_names"]), cat_names=tuple(meta["cat_names"]),
+                        table_sizes=tuple(meta["table_sizes"]), embedding_dim=args.embedding_dim,
+                        dense_arch_layer_sizes=preset.dense_arch_layer_sizes,
+                        over_arch_layer_sizes=preset.over_arch_layer_sizes)
+    id_freq = [torch.from_numpy(np.array(f, dtype=np.int64)) for f in load_id_freq(data_dir)]
+    torch.manual_seed(args.seed)
+    model = DLRM(config, cache_ratio=args.cache_ratio, optimizer=SPARSE_OPTIMIZERS[args.optimizer](lr=args.lr),
+                 id_freq=id_freq, device=torch.device(args.device))
+    dense_cls = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[args.dense_optimizer]
+    dense_opt = dense_cls(model.dense_parameters(), lr=args.dense_lr)
+    return model, dense_opt
+
+
+def save_checkpoint(path: Path, model, dense_opt, position: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"model": model.state_dict(), "dense_optimizer": dense_opt.state_dict(), "position": position,
+             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, model, dense_opt) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume: {str(path)!r} not found; expected a checkpoint written with "
+                                "--checkpoint-every into --checkpoint-dir")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    dense_opt.load_state_dict(state["dense_optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+    np.random.set_state(state["rng"]["numpy"])
+    random.setstate(state["rng"]["python"])
+    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    return state["position"]
+
+
+# --------------------------------------------------------------------------------------------- loops
+class Logger:
+    """CSV rows (and TensorBoard scalars when tensorboard is installed) under --log-dir."""
+
+    def __init__(self, log_dir: str | None):
+        self.file = self.writer = self.tb = None
+        if log_dir:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            self.file = open(Path(log_dir) / "train_log.csv", "a", newline="")
+            self.writer = csv.writer(self.file)
+            if self.file.tell() == 0:
+                self.writer.writerow(["step", "epoch", "loss", "cache_hit_rate", "samples_per_s"])
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(log_dir)
+            except ImportError:
+                self.tb = None
+
+    def log(self, step: int, epoch: int, loss: float, hit_rate: float, sps: float) -> None:
+        if self.writer is not None:
+            self.writer.writerow([step, epoch, f"{loss:.6f}", f"{hit_rate:.6f}", f"{sps:.1f}"])
+            self.file.flush()
+        if self.tb is not None:
+            for k, v in (("train/loss", loss), ("train/cache_hit_rate", hit_rate), ("train/samples_per_s", sps)):
+                self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def hit_rate(stats: dict) -> float:
+    seen = stats.get("hits", 0) + stats.get("misses", 0)
+    return stats.get("hits", 0) / seen if seen else float("nan")
+
+
+def maybe_prefetch(batches, model, args):
+    if args.prefetch_depth <= 0:
+        return batches
+    prefetch = getattr(cachedemb, "prefetch", None)
+    if prefetch is None:
+        try:
+            prefetch = importlib.import_module("cachedemb.prefetch")
+        except ImportError:
+            prefetch = None
+    if isinstance(prefetch, types.ModuleType):  # the submodule rather than its function
+        prefetch = getattr(prefetch, "prefetch", None)
+    if not callable(prefetch):
+        warnings.warn("--prefetch-depth > 0 but this cachedemb has no prefetch(); training without it")
+        return batches
+    horizon = args.prefetch_horizon if args.prefetch_horizon is not None else args.prefetch_depth
+    return prefetch(batches, [model], depth=args.prefetch_depth, horizon=horizon)
+
+
+@torch.no_grad()
+def evaluate(model: DLRM, split: PreprocessedSplit, args) -> dict:
+    from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
+
+    model.eval()
+    auroc, accuracy = BinaryAUROC(), BinaryAccuracy()
+    loss_sum, rows = 0.0, 0
+    device = torch.device(args.device)
+    for batch in split.batches(args.batch_size, limit_batches=args.eval_batches):
+        labels = batch.labels.to(device)
+        logits = model(batch.dense.to(device), batch.sparse.to(device))
+        loss_sum += float(nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum"))
+        rows += labels.numel()
+        probs = torch.sigmoid(logits).cpu()
+        auroc.update(probs, batch.labels.long())
+        accuracy.update(probs, batch.labels.long())
+    model.train()
+    if rows == 0:
+        raise ValueError(f"the {split.split!r} split of {str(split.data_dir)!r} has no rows to evaluate")
+    return {"auc": float(auroc.compute()), "logloss": loss_sum / rows, "accuracy": float(accuracy.compute()),
+            "eval_rows": rows}
+
+
+def train(model: DLRM, dense_opt, split: PreprocessedSplit, args, position: dict, logger: Logger) -> dict:
+    from tqdm import tqdm
+
+    device = torch.device(args.device)
+    per_epoch = split.num_batches(args.batch_size)
+    if args.limit_batches is not None:
+        per_epoch = min(per_epoch, args.limit_batches)
+    quiet = args.quiet or not sys.stderr.isatty()
+    step, samples, loss_sum, loss_n = position["step"], 0, 0.0, 0
+    window_start, window_samples = time.perf_counter(), 0
+    model.sparse_arch.reset_cache_stats()
+    train_time, stopped = 0.0, False
+    for epoch in range(position["epoch"], args.epochs):
+        start = position["batch"] if epoch == position["epoch"] else 0
+        batches = maybe_prefetch(iterate(split, args, epoch, start, per_epoch - start), model, args)
+        bar = tqdm(batches, total=per_epoch - start, desc=f"epoch {epoch}", disable=quiet, leave=False)
+        t0 = time.perf_counter()
+        for i, batch in enumerate(bar, start=start):
+            labels = batch.labels.to(device)
+            logits = model(batch.dense.to(device), batch.sparse.to(device))
+            loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
+            dense_opt.zero_grad(set_to_none=True)
+            loss.backward()  # also steps the embeddings (fused sparse optimizer)
+            dense_opt.step()
+            step += 1
+            samples += labels.numel()
+            window_samples += labels.numel()
+            loss_sum, loss_n = loss_sum + float(loss.detach()), loss_n + 1
+            if step % args.log_every == 0:
+                now = time.perf_counter()
+                sps = window_samples / max(now - window_start, 1e-9)
+                rate = hit_rate(model.sparse_arch.cache_stats())
+                logger.log(step, epoch, loss_sum / loss_n, rate, sps)
+                bar.set_postfix(loss=f"{loss_sum / loss_n:.4f}", hit=f"{rate:.3f}", sps=f"{sps:.0f}")
+                if quiet and not args.quiet:
+                    print(f"step {step} epoch {epoch} loss {loss_sum / loss_n:.4f} hit_rate {rate:.3f} "
+                          f"samples/s {sps:.0f}", flush=True)
+                window_start, window_samples, loss_sum, loss_n = now, 0, 0.0, 0
+            if args.checkpoint_every and step % args.checkpoint_every == 0:
+                nxt = {"epoch": epoch, "batch": i + 1, "step": step}
+                if i + 1 >= per_epoch:
+                    nxt = {"epoch": epoch + 1, "batch": 0, "step": step}
+                save_checkpoint(Path(args.checkpoint_dir) / CHECKPOINT, model, dense_opt, nxt)
+            if args.stop_after_steps is not None and step >= args.stop_after_steps:
+                stopped = True
+                break
+        bar.close()
+        train_time += time.perf_counter() - t0
+        if stopped:
+            break
+    stats = model.sparse_arch.cache_stats()
+    return {"steps": step, "train_samples": samples, "train_time_s": train_time,
+            "samples_per_s": samples / train_time if train_time > 0 else float("nan"),
+            "cache_hit_rate": hit_rate(stats), "stopped_early": stopped}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    preset: RunPreset = args.preset
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    data_dir = prepare_data(args, preset)
+    meta = load_metadata(data_dir)
+    train_split, val_split = PreprocessedSplit(data_dir, "train"), PreprocessedSplit(data_dir, "val")
+    model, dense_opt = build(args, preset, meta, data_dir)
+    position = {"epoch": 0, "batch": 0, "step": 0}
+    if args.resume:
+        position = load_checkpoint(Path(args.checkpoint_dir) / CHECKPOINT, model, dense_opt)
+    logger = Logger(args.log_dir)
+    try:
+        metrics = train(model, dense_opt, train_split, args, position, logger)
+    finally:
+        logger.close()
+    if args.checkpoint_dir and not metrics["stopped_early"]:
+        save_checkpoint(Path(args.checkpoint_dir) / FINAL, model, dense_opt,
+                        {"epoch": args.epochs, "batch": 0, "step": metrics["steps"]})
+    if not metrics["stopped_early"]:
+        metrics.update(evaluate(model, val_split, args))
+    metrics.update({"data": args.data, "cache_ratio": args.cache_ratio, "embedding_dim": args.embedding_dim,
+                    "batch_size": args.batch_size, "device": args.device})
+    if not math.isnan(metrics["cache_hit_rate"]):
+        metrics["cache_hit_rate"] = round(metrics["cache_hit_rate"], 6)
+    print(json.dumps(metrics, sort_keys=False))
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
