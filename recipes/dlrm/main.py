@@ -211,8 +211,10 @@ class Logger:
 
 
 def hit_rate(stats: dict) -> float:
-    seen = stats.get("hits", 0) + stats.get("misses", 0)
-    return stats.get("hits", 0) / seen if seen else float("nan")
+    """Share of each batch's distinct ids served without a host->device row transfer. Counts rows moved
+    (rows_in), not per-batch misses, so window admissions under prefetch are not hidden."""
+    unique = stats.get("unique", 0)
+    return 1.0 - stats.get("rows_in", 0) / unique if unique else float("nan")
 
 
 def maybe_prefetch(batches, model, args):
