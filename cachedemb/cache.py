@@ -11,6 +11,7 @@ sync. On CPU the counts are read on the host (free there) to skip work.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,8 @@ from cachedemb import kernels
 from cachedemb.kernels import EMPTY_KEY
 from cachedemb.policy import Policy, SlotView, resolve
 
-STAT_NAMES = ("lookups", "unique", "hits", "misses", "evictions", "rows_in", "rows_out")
+STAT_NAMES = ("lookups", "unique", "hits", "misses", "evictions", "rows_in", "rows_out", "windows",
+              "window_rows_in")
 _STAT = {name: i for i, name in enumerate(STAT_NAMES)}
 
 
@@ -47,7 +49,7 @@ class EmbeddingCache:
 
     def __init__(self, host_weight: torch.Tensor, capacity: int, device: torch.device,
                  state_layout: dict[str, tuple[int, float]], policy: str | Policy = "lfu",
-                 host_freq: torch.Tensor | None = None):
+                 host_freq: torch.Tensor | None = None, history: int = 0):
         num_rows, dim = host_weight.shape
         if not 1 <= capacity <= max(num_rows, 1):
             raise ValueError(f"cache capacity must be in [1, {num_rows}] rows, got {capacity}")
@@ -75,6 +77,12 @@ class EmbeddingCache:
         self.batch_counter = 0
         self._allocate(self.capacity)
         self.stats = torch.zeros(len(STAT_NAMES), dtype=torch.int64, device=self.device)
+        # Optional bounded per-batch history: a ring of cumulative counters, written on the device (no sync).
+        if history < 0:
+            raise ValueError(f"history must be >= 0 batches, got {history}")
+        self.history = torch.zeros(history, len(STAT_NAMES), dtype=torch.int64, device=self.device)
+        self.history_batches = 0
+        self.seconds = {"prepare": 0.0, "admit_window": 0.0, "flush": 0.0}
         self._stat_index: dict[tuple, torch.Tensor] = {}
 
     # ----------------------------------------------------------------- device buffers
@@ -196,6 +204,7 @@ class EmbeddingCache:
         Hits stay where they are (protected for this batch); misses take the policy's victims, and those that
         cannot fit go to spill slots. Counts and recency are updated only when `train`.
         """
+        start = time.perf_counter()
         ids = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
         n_lookups = ids.numel()
         self._flush_spill()
@@ -211,6 +220,10 @@ class EmbeddingCache:
             dumped = torch.where(live, loc_u, torch.full_like(loc_u, self.dump))
             self.slot_freq.index_add_(0, dumped, counts)
             self.slot_last_use.index_fill_(0, dumped, self.batch_counter)
+        if self.history.shape[0]:
+            self.history[self.history_batches % self.history.shape[0]] = self.stats
+        self.history_batches += 1
+        self.seconds["prepare"] += time.perf_counter() - start
         return BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation)
 
     def admit_window(self, uniq: torch.Tensor, policy: Policy, next_use: torch.Tensor | None = None,
@@ -221,6 +234,7 @@ class EmbeddingCache:
         `next_use` (host [num_rows] int64, absolute batch number of each id's next known use, -1 for none)
         feeds the policy; `now` is the batch number the window starts at.
         """
+        start = time.perf_counter()
         uniq = uniq.to(device=self.device, dtype=torch.int64)
         n = uniq.numel()
         if n > self.capacity:
@@ -235,9 +249,11 @@ class EmbeddingCache:
             self.next_use = torch.where(absolute >= now, absolute - now, torch.full_like(absolute, -1))
         n_uniq = torch.full((1,), n, dtype=torch.int64, device=self.device)
         loc_u, _, _, n_miss = self._place(uniq, n_uniq, policy, spill_bound=0)
-        self._bump_stats(rows_in=n_miss)
+        self._bump_stats(rows_in=n_miss, windows=torch.ones(1, dtype=torch.int64, device=self.device),
+                         window_rows_in=n_miss)
         self.protected.index_fill_(0, loc_u, True)
         self.next_use.fill_(-1)
+        self.seconds["admit_window"] += time.perf_counter() - start
 
     def release_window(self) -> None:
         """Drop the protection of the last admitted window (the pipeline ended)."""
@@ -300,12 +316,14 @@ class EmbeddingCache:
     # ----------------------------------------------------------------- whole-cache operations
     def flush(self) -> None:
         """Write every dirty row (and its state) back to the host; the cache keeps its contents."""
+        start = time.perf_counter()
         slots = torch.arange(self.total_slots, device=self.device)
         written = self._write_back(slots, self.total_slots)
         self._bump_stats(rows_out=written)
         self.dirty.zero_()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.seconds["flush"] += time.perf_counter() - start
 
     def reload(self) -> None:
         """Re-read every resident row from the host (after the host table was replaced); nothing is dirty.
@@ -340,7 +358,7 @@ class EmbeddingCache:
         self.device = device
         self._set_rows(self.rows.data.to(device))
         for name in ("slot_ids", "slot_freq", "slot_last_use", "dirty", "next_use", "protected",
-                     "index_keys", "index_slots", "stats"):
+                     "index_keys", "index_slots", "stats", "history"):
             setattr(self, name, getattr(self, name).to(device))
         self.states = {k: v.to(device) for k, v in self.states.items()}
 
@@ -355,5 +373,31 @@ class EmbeddingCache:
         values["bytes_out"] = values["rows_out"] * self.row_bytes()
         return values
 
+    def timing_dict(self) -> dict[str, float]:
+        """Host seconds spent in cache operations (on CUDA: issuing them; they run asynchronously)."""
+        return dict(self.seconds)
+
+    def history_dict(self) -> dict[str, list[int]]:
+        """Per-batch counters of the last `history` batches, oldest first (a host sync on CUDA). Window
+        admissions count in the batch that follows them."""
+        size = self.history.shape[0]
+        kept = min(size, self.history_batches)
+        if kept == 0:
+            return {name: [] for name in ("batch",) + STAT_NAMES}
+        first = self.history_batches - kept
+        order = [(first + i) % size for i in range(kept)]
+        cumulative = self.history[order].cpu()
+        if first == 0:
+            previous = torch.cat([torch.zeros(1, len(STAT_NAMES), dtype=torch.int64), cumulative[:-1]])
+            deltas, batches = cumulative - previous, list(range(kept))
+        else:
+            deltas, batches = cumulative[1:] - cumulative[:-1], list(range(first + 1, self.history_batches))
+        out = {"batch": batches}
+        out.update({name: deltas[:, i].tolist() for i, name in enumerate(STAT_NAMES)})
+        return out
+
     def reset_stats(self) -> None:
         self.stats.zero_()
+        self.history.zero_()
+        self.history_batches = 0
+        self.seconds = dict.fromkeys(self.seconds, 0.0)

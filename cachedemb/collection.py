@@ -370,12 +370,16 @@ class CachedEmbeddingBagCollection(nn.Module):
         return ids.shape[0], inputs
 
     # ----------------------------------------------------------------- cache and tables
-    def cache_stats(self) -> dict[str, int]:
-        """Cache counters summed over the groups (a host sync on CUDA)."""
-        total: dict[str, int] = {}
+    def cache_stats(self) -> dict:
+        """Cache counters (and `seconds` of cache operations) summed over the groups (a host sync on CUDA)."""
+        total: dict = {"seconds": {}}
         for bag in self.bags:
             for k, v in bag.cache_stats().items():
-                total[k] = total.get(k, 0) + v
+                if k == "seconds":
+                    for op, sec in v.items():
+                        total["seconds"][op] = total["seconds"].get(op, 0.0) + sec
+                else:
+                    total[k] = total.get(k, 0) + v
         return total
 
     def reset_cache_stats(self) -> None:

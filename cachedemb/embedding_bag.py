@@ -89,7 +89,7 @@ class CachedEmbeddingBag(nn.Module):
                  padding_idx: int | None = None, device=None, dtype=None, *, cache_ratio: float = 0.01,
                  cache_rows: int | None = None, optimizer: SparseOptimizer | None = None,
                  id_freq: torch.Tensor | None = None, warmup_ratio: float = 0.7, policy: str | Policy = "lfu",
-                 validate_inputs: bool = True):
+                 validate_inputs: bool = True, stats_history: int = 0):
         super().__init__()
         self._check_args(num_embeddings, embedding_dim, max_norm, scale_grad_by_freq, mode, cache_ratio,
                          cache_rows, optimizer, warmup_ratio, _weight)
@@ -109,7 +109,8 @@ class CachedEmbeddingBag(nn.Module):
         host_weight = self._host_table(_weight, dtype)
         freq = self._check_id_freq(id_freq)
         state_layout = optimizer.state_layout(embedding_dim) if optimizer is not None else {}
-        self.cache = EmbeddingCache(host_weight, capacity, torch.device(device), state_layout, policy, freq)
+        self.cache = EmbeddingCache(host_weight, capacity, torch.device(device), state_layout, policy, freq,
+                                    history=stats_history)
         self.cache_weight = self.cache.rows
         self.cache_weight.requires_grad_(optimizer is None and not getattr(self, "_frozen", False))
         # Fused mode: a zero-size tensor that requires grad makes autograd call our backward.
@@ -250,9 +251,18 @@ class CachedEmbeddingBag(nn.Module):
         self.cache.flush()
         return self.cache.host_weight
 
-    def cache_stats(self) -> dict[str, int]:
-        """hits, misses, evictions, rows/bytes moved since the last reset (a host sync on CUDA)."""
-        return self.cache.stats_dict()
+    def cache_stats(self) -> dict:
+        """Counters since the last reset (a host sync on CUDA): lookups, unique (per-batch distinct ids),
+        hits + misses (= unique), evictions, rows_in (rows moved host->device, window admissions included),
+        rows_out (dirty rows written back), windows and window_rows_in (prefetch windows), bytes_in/out, and
+        `seconds` (host time in cache operations)."""
+        stats = self.cache.stats_dict()
+        stats["seconds"] = self.cache.timing_dict()
+        return stats
+
+    def cache_history(self) -> dict[str, list[int]]:
+        """The same counters per batch for the last `stats_history` batches (a bounded ring buffer)."""
+        return self.cache.history_dict()
 
     def reset_cache_stats(self) -> None:
         self.cache.reset_stats()
