@@ -15,8 +15,11 @@ PROTECTED = torch.iinfo(torch.int64).max
 
 
 def victim_select_torch(score: torch.Tensor, k: int):
-    """Reference: a full top-k. Returns int64 slots [k], smallest score first."""
+    """Reference: the k smallest scores. Returns int64 slots [k], smallest score first. For a large k a full
+    sort beats top-k on CPU; with distinct scores both give the same slots."""
     k = min(int(k), score.numel())
+    if 8 * k > score.numel():
+        return torch.sort(score).indices[:k]
     return torch.topk(score, k, largest=False, sorted=True).indices
 
 RADIX_BITS = 8  # the kernels below are written for 8-bit digits (0xFF, 256 bins)
