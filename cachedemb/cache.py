@@ -73,7 +73,7 @@ class EmbeddingCache:
 
     def __init__(self, host_weight: torch.Tensor, capacity: int, device: torch.device,
                  state_layout: dict[str, tuple[int, float]], policy: str | Policy = "lfu",
-                 host_freq: torch.Tensor | None = None, history: int = 0):
+                 host_freq: torch.Tensor | None = None, history: int = 0, freq_halflife: int | None = None):
         num_rows, dim = host_weight.shape
         if not 1 <= capacity <= max(num_rows, 1):
             raise ValueError(f"cache capacity must be in [1, {num_rows}] rows, got {capacity}")
@@ -107,6 +107,10 @@ class EmbeddingCache:
         self.history = torch.zeros(history, len(STAT_NAMES), dtype=torch.int64, device=self.device)
         self.history_batches = 0
         self.seconds = {"prepare": 0.0, "admit_window": 0.0, "flush": 0.0}
+        if freq_halflife is not None and (not isinstance(freq_halflife, int) or freq_halflife < 1):
+            raise ValueError(f"freq_halflife must be None or a positive number of batches, got {freq_halflife!r}")
+        self.freq_halflife = freq_halflife
+        self.train_batches = 0
         self._stat_index: dict[tuple, torch.Tensor] = {}
 
     # ----------------------------------------------------------------- device buffers
@@ -244,6 +248,9 @@ class EmbeddingCache:
             dumped = torch.where(live, loc_u, torch.full_like(loc_u, self.dump))
             self.slot_freq.index_add_(0, dumped, counts)
             self.slot_last_use.index_fill_(0, dumped, self.batch_counter)
+            self.train_batches += 1
+            if self.freq_halflife and self.train_batches % self.freq_halflife == 0:
+                self.halve_counts()
         if self.history.shape[0]:
             self.history[self.history_batches % self.history.shape[0]] = self.stats
         self.history_batches += 1
@@ -368,6 +375,14 @@ class EmbeddingCache:
         self._fill(ids, slots, ids.numel())
         self.slot_ids[: ids.numel()] = ids
         self._rebuild_index()
+
+    def halve_counts(self) -> None:
+        """Age every access count (host and cached) by half, so old popularity fades. O(table) on the host,
+        once per `freq_halflife` training batches; on CUDA it waits for in-flight copies of the counts."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.host_freq.bitwise_right_shift_(1)
+        self.slot_freq.bitwise_right_shift_(1)
 
     def move_to(self, device: torch.device) -> None:
         """Move the device side; the host table stays where it is (pinned if the target is CUDA)."""

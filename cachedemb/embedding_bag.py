@@ -89,7 +89,7 @@ class CachedEmbeddingBag(nn.Module):
                  padding_idx: int | None = None, device=None, dtype=None, *, cache_ratio: float = 0.01,
                  cache_rows: int | None = None, optimizer: SparseOptimizer | None = None,
                  id_freq: torch.Tensor | None = None, warmup_ratio: float = 0.7, policy: str | Policy = "lfu",
-                 validate_inputs: bool = True, stats_history: int = 0):
+                 validate_inputs: bool = True, stats_history: int = 0, freq_halflife: int | None = None):
         super().__init__()
         self._check_args(num_embeddings, embedding_dim, max_norm, scale_grad_by_freq, mode, cache_ratio,
                          cache_rows, optimizer, warmup_ratio, _weight)
@@ -110,7 +110,7 @@ class CachedEmbeddingBag(nn.Module):
         freq = self._check_id_freq(id_freq)
         state_layout = optimizer.state_layout(embedding_dim) if optimizer is not None else {}
         self.cache = EmbeddingCache(host_weight, capacity, torch.device(device), state_layout, policy, freq,
-                                    history=stats_history)
+                                    history=stats_history, freq_halflife=freq_halflife)
         self.cache_weight = self.cache.rows
         self.cache_weight.requires_grad_(optimizer is None and not getattr(self, "_frozen", False))
         # Fused mode: a zero-size tensor that requires grad makes autograd call our backward.

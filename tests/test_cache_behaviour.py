@@ -85,6 +85,17 @@ def test_counts_persist_across_eviction():
     assert int(emb.cache.slot_freq[slot]) == 4
 
 
+def test_counts_decay_with_a_halflife():
+    emb = cachedemb.CachedEmbeddingBag(10, 2, mode="sum", cache_rows=1, device="cpu", freq_halflife=2)
+    feed(emb, [5, 5, 5, 5])  # 5 counted 4 times
+    feed(emb, [7])  # second training batch: every count halves (5 -> 2 on the host, 7 -> 0 in the cache)
+    assert int(emb.cache.host_freq[5]) == 2
+    slot = int((emb.cache.slot_ids == 7).nonzero()[0, 0])
+    assert int(emb.cache.slot_freq[slot]) == 0
+    with pytest.raises(ValueError, match="freq_halflife"):
+        cachedemb.CachedEmbeddingBag(10, 2, cache_rows=1, device="cpu", freq_halflife=0)
+
+
 def test_current_batch_rows_are_never_evicted():
     emb = cachedemb.CachedEmbeddingBag(20, 2, mode="sum", cache_rows=2, device="cpu")
     feed(emb, [1])
