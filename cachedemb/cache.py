@@ -42,6 +42,33 @@ class BatchPlan:
     generation: int  # the cache generation the locations belong to
 
 
+@dataclass
+class RowMove:
+    """The row copies of one admission, captured before the slot metadata changed, so they can run later (on a
+    side stream) without reading metadata: dirty victims out, missing rows in."""
+
+    victims: torch.Tensor  # [k] slots
+    n_admit: torch.Tensor  # [1] victims actually used
+    old_ids: torch.Tensor  # [k] id each victim held (-1 empty): its count goes back to the host
+    dirty_ids: torch.Tensor  # [k] id to write back, -1 for a clean victim
+    miss_ids: torch.Tensor  # [U + 1] missing ids in rank order
+    miss_dest: torch.Tensor  # [U + 1] their slots
+    n_miss: torch.Tensor  # [1]
+
+    def tensors(self):
+        return (self.victims, self.n_admit, self.old_ids, self.dirty_ids, self.miss_ids, self.miss_dest, self.n_miss)
+
+
+@dataclass
+class WindowPlan:
+    """A look-ahead window whose slots are decided (metadata and index already updated) and whose rows are
+    moved by `EmbeddingCache.transfer_window`; `done` is the CUDA event after which they are in place."""
+
+    loc_u: torch.Tensor
+    move: RowMove | None
+    done: object = None
+
+
 def pinned_empty(shape, dtype) -> torch.Tensor:
     """Host memory the GPU can DMA from (and address directly); without CUDA, plain memory backed by huge pages
     where the kernel allows it (random row access over a multi-GB table is otherwise TLB-bound)."""
@@ -111,6 +138,7 @@ class EmbeddingCache:
             raise ValueError(f"freq_halflife must be None or a positive number of batches, got {freq_halflife!r}")
         self.freq_halflife = freq_halflife
         self.train_batches = 0
+        self._pending = None  # CUDA event of a window transfer still running on a side stream
         self._stat_index: dict[tuple, torch.Tensor] = {}
 
     # ----------------------------------------------------------------- device buffers
@@ -138,6 +166,9 @@ class EmbeddingCache:
         """Make room for `spill` rows past the cache slots (only ever grows; spill slots are empty here)."""
         if spill <= self.spill_capacity:
             return
+        if self._pending is not None:
+            # A side-stream window transfer still writes the rows being reallocated: let it finish (rare).
+            self._pending.synchronize()
         old = self.capacity + self.spill_capacity
         new = self.capacity + spill
         keep = slice(0, self.capacity)
@@ -242,7 +273,8 @@ class EmbeddingCache:
         # Per-unique buffers: exactly n long on CPU (free to know there), the fixed capacity B on CUDA.
         cap = self._on_host(n_uniq, n_lookups)
         uniq, counts = uniq[:cap], counts[:cap]
-        loc_u, live, n_hit, n_miss = self._place(uniq, n_uniq, self.policy, spill_bound=max(0, n_lookups - self.capacity))
+        loc_u, live, n_hit, n_miss, _ = self._place(uniq, n_uniq, self.policy,
+                                                    spill_bound=max(0, n_lookups - self.capacity))
         self._bump_stats(lookups=(inverse >= 0).sum(), unique=n_uniq, hits=n_hit, misses=n_miss, rows_in=n_miss)
         if train:
             dumped = torch.where(live, loc_u, torch.full_like(loc_u, self.dump))
@@ -260,11 +292,21 @@ class EmbeddingCache:
     def admit_window(self, uniq: torch.Tensor, policy: Policy, next_use: torch.Tensor | None = None,
                      now: int = 0) -> None:
         """Admit a look-ahead window's distinct ids (ascending, at most `capacity`) in one batched transfer and
-        protect them until the next window replaces the protection.
+        protect exactly them until the next window replaces the protection (synchronous, in stream order).
 
         `next_use` (host [num_rows] int64, absolute batch number of each id's next known use, -1 for none)
         feeds the policy; `now` is the batch number the window starts at.
         """
+        self.protected.zero_()
+        plan = self.plan_window(uniq, policy, next_use, now)
+        self.transfer_window(plan)
+        self.activate_window(plan)
+
+    def plan_window(self, uniq: torch.Tensor, policy: Policy, next_use: torch.Tensor | None = None,
+                    now: int = 0) -> WindowPlan:
+        """Decide where a window's ids go: victims never come from protected slots (the window in use), slot
+        metadata and the index change now, in stream order; the row copies are left to `transfer_window`.
+        The window's slots are protected at once, so nothing else evicts them meanwhile."""
         start = time.perf_counter()
         uniq = uniq.to(device=self.device, dtype=torch.int64)
         n = uniq.numel()
@@ -272,29 +314,62 @@ class EmbeddingCache:
             raise ValueError(f"a window of {n} distinct ids cannot be resident in a cache of {self.capacity}")
         self._flush_spill()
         self.generation += 1
-        self.protected.zero_()
         if next_use is not None:
             slots = torch.arange(self.capacity, device=self.device)
             absolute = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
             kernels.row_copy(next_use, self.slot_ids[: self.capacity], absolute, slots, self.capacity)
             self.next_use = torch.where(absolute >= now, absolute - now, torch.full_like(absolute, -1))
         n_uniq = torch.full((1,), n, dtype=torch.int64, device=self.device)
-        loc_u, _, _, n_miss = self._place(uniq, n_uniq, policy, spill_bound=0)
+        loc_u, _, _, n_miss, move = self._place(uniq, n_uniq, policy, spill_bound=0, transfer=False)
         self._bump_stats(rows_in=n_miss, windows=torch.ones(1, dtype=torch.int64, device=self.device),
                          window_rows_in=n_miss)
         self.protected.index_fill_(0, loc_u, True)
         self.next_use.fill_(-1)
         self.seconds["admit_window"] += time.perf_counter() - start
+        return WindowPlan(loc_u, move)
+
+    def transfer_window(self, plan: WindowPlan, stream=None) -> None:
+        """Move a planned window's rows. With a CUDA `stream`, the copies run there after everything issued so
+        far on the current stream (the last backward included), overlapping later compute; `plan.done` records
+        their end. Without one they run in order on the current stream (or at once on CPU)."""
+        if plan.move is None:
+            return
+        if stream is None:
+            self._move_rows(plan.move)
+            return
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            self._move_rows(plan.move)
+        # The copies read and write these from the side stream: keep their memory from being reused early.
+        for t in plan.move.tensors() + (self.rows.data, self.slot_freq) + tuple(self.states.values()):
+            t.record_stream(stream)
+        plan.done = torch.cuda.Event()
+        plan.done.record(stream)
+        self._pending = plan.done
+
+    def activate_window(self, plan: WindowPlan) -> None:
+        """Make the current stream wait for the window's rows, then protect exactly that window."""
+        if plan.done is not None:
+            torch.cuda.current_stream(self.device).wait_event(plan.done)
+            if self._pending is plan.done:
+                self._pending = None
+        self.protected.zero_()
+        self.protected.index_fill_(0, plan.loc_u, True)
 
     def release_window(self) -> None:
-        """Drop the protection of the last admitted window (the pipeline ended)."""
+        """Drop window protection (the pipeline ended); rows still in flight are waited for in stream order."""
+        if self._pending is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._pending)
+            self._pending = None
         self.protected.zero_()
 
-    def _place(self, uniq, n_uniq, policy: Policy, spill_bound: int):
-        """Find or admit each of the first n_uniq ids of `uniq`; returns (loc_u, live, n_hit, n_miss).
+    def _place(self, uniq, n_uniq, policy: Policy, spill_bound: int, transfer: bool = True):
+        """Find or admit each of the first n_uniq ids of `uniq`; returns (loc_u, live, n_hit, n_miss, move).
 
         Protected slots and this set's hits are never victims; misses beyond the free slots go to spill
-        slots (sized exactly on CPU, to `spill_bound` on CUDA)."""
+        slots (sized exactly on CPU, to `spill_bound` on CUDA). With `transfer=False` the row copies are
+        returned (`move`) instead of done; the slot metadata is updated either way."""
         dev = self.device
         cap = uniq.numel()
         slot = kernels.slot_lookup(self.index_keys, self.index_slots, uniq, n_uniq)
@@ -325,20 +400,33 @@ class EmbeddingCache:
             dest = torch.full_like(rank, -1)
         loc_u = torch.where(is_hit, slot, torch.where(is_miss, dest, torch.full_like(slot, -1)))
 
+        move = None
         if miss_count > 0:
             rank_slot = torch.where(is_miss, rank, torch.full_like(rank, cap))
             miss_ids = torch.full((cap + 1,), -1, dtype=torch.int64, device=dev)
             miss_dest = torch.full((cap + 1,), -1, dtype=torch.int64, device=dev)
             miss_ids.index_put_((rank_slot,), uniq)
             miss_dest.index_put_((rank_slot,), dest)
-            evicted = ((self.slot_ids[victims] >= 0) & (torch.arange(k, device=dev) < n_admit)).sum().reshape(1)
-            written = self._write_back(victims, n_admit)
-            self._fill(miss_ids, miss_dest, n_miss)
+            old_ids = self.slot_ids[victims]
+            used = torch.arange(k, device=dev) < n_admit
+            dirty_ids = torch.where(self.dirty[victims] & (old_ids >= 0), old_ids, torch.full_like(old_ids, -1))
+            evicted = ((old_ids >= 0) & used).sum().reshape(1)
+            written = ((dirty_ids >= 0) & used).sum().reshape(1)
+            move = RowMove(victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest, n_miss)
+            if transfer:
+                self._move_rows(move)
             self._masked_put(self.slot_ids, miss_dest, miss_ids, n_miss)
             self._masked_put(self.dirty, miss_dest, torch.zeros_like(miss_dest, dtype=torch.bool), n_miss)
             self._rebuild_index()
             self._bump_stats(evictions=evicted, rows_out=written)
-        return loc_u, live, n_hit, n_miss
+        return loc_u, live, n_hit, n_miss, move
+
+    def _move_rows(self, move: RowMove) -> None:
+        """Dirty victims (rows, state) and every victim's count to the host, then the missing rows in."""
+        for dev_t, host_t in self._row_tensors():
+            kernels.row_copy(dev_t, move.victims, host_t, move.dirty_ids, move.n_admit)
+        kernels.row_copy(self.slot_freq, move.victims, self.host_freq, move.old_ids, move.n_admit)
+        self._fill(move.miss_ids, move.miss_dest, move.n_miss)
 
     def mark_dirty(self, plan: BatchPlan) -> None:
         live = torch.arange(plan.loc_u.numel(), device=self.device) < plan.n_uniq

@@ -4,24 +4,31 @@ Two look-aheads with different costs are kept apart:
 
 - the id horizon H: the ids of the next H batches are read ahead (a few MB), so eviction knows each resident
   row's next use (`NextUseTracker`);
-- the admission depth K: at the start of every window of K batches, the union of the window's rows is admitted
-  in one batched transfer and protected until the window is over, so every forward in the window is all hits.
+- the admission depth K: the union of each window of K batches is admitted in one batched transfer and
+  protected until the window is over, so every forward in the window is all hits.
 
-Stages, in the order they run for each window (all on the caller's thread; on CUDA the copies are issued on the
-current stream, ordered after the previous batch's backward and before the window's first forward):
+Stages and streams, per window (all decided on the caller's thread, when the consumer asks for the batch that
+starts a window — so the previous batch's backward has been issued):
 
-1. read ahead: pull batches from the source until H are buffered; extract each cache's ids on the host and
-   record their next-use links;
-2. retire: the batch the consumer finished (it asked for the next one) is marked used; next uses advance;
-3. admit: when a window starts, the union of its K batches (shrunk to fewer batches if the union exceeds the
-   cache) is admitted with the look-ahead policy; the previous window's protection is dropped, the new one set;
-4. yield the batch.
+1. read ahead (host): pull batches until H are buffered; extract each cache's ids; record next-use links.
+2. retire (host): the batch the consumer finished is marked used; next uses advance.
+3. switch (current stream): if this window was planned one window ago, the current stream waits for its
+   transfer event and its rows become the protected set; otherwise it is admitted now, in stream order
+   (`admit_window`), shrinking the window until its union fits.
+4. plan next (current stream), with `overlap` (default for CUDA caches): if the next window fits in the cache
+   together with this one, its victims are chosen among rows neither window needs, and slot metadata and the
+   index change now; its row copies (dirty victims out, missing rows in, zero-copy through pinned host memory)
+   run on a side stream that first waits for everything issued so far on the current stream (the last
+   backward included) and records an event; the tensors it uses are `record_stream`-ed to it.
+5. yield the batch; its forward and backward run on the current stream, overlapping the side-stream copies.
+   They touch only this window's rows, which the copies never touch.
 
-Because admission happens when the consumer asks for the next batch, batch i's backward has finished before
-any row for batches i+1.. is evicted or filled, and a batch's slot locations never change under it (a batch
-whose backward runs after a later admission is refused by the module's generation check, never silently
-corrupted). A window too large even for one batch is not admitted: that batch goes through the module's own
-per-batch path (spill slots), so the result is the same either way.
+Hazards this rules out (each is tested): a row an in-flight batch needs being evicted (it is protected); the
+backward of batch i racing the admission for later batches (the side stream waits for it; victims exclude
+both windows); a batch keeping slot locations a later admission changed (the module's generation check
+refuses such a backward rather than corrupting rows). A window too large even for one batch is not admitted:
+that batch goes through the module's own per-batch path (spill slots), so the result is the same either way.
+The ids a batch is read with must be the ids its forward looks up (the default extraction guarantees it).
 """
 from __future__ import annotations
 
@@ -79,7 +86,7 @@ class Prefetcher:
     """Iterator over `batches` that keeps the given modules' caches one window ahead (see module docstring)."""
 
     def __init__(self, batches: Iterable, modules: Sequence, depth: int = 4, horizon: int = 64,
-                 ids: IdsFn | None = None, policy: str | Policy = "lookahead"):
+                 ids: IdsFn | None = None, policy: str | Policy = "lookahead", overlap: bool | None = None):
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be an int >= 1 (batches admitted together), got {depth!r}")
         if not isinstance(horizon, int) or horizon < depth:
@@ -99,6 +106,10 @@ class Prefetcher:
         self.window_end = 0
         self.windows = 0
         self.window_batches: list[int] = []
+        self.overlap = overlap  # None: decided by the caches' device (on for CUDA)
+        self.current_unions: list[torch.Tensor] | None = None
+        self.pending = None  # (start, count, plans, unions) of the next window, planned and in flight
+        self.streams: dict = {}
 
     def _targets(self, batch) -> list[tuple[EmbeddingCache, torch.Tensor]]:
         if self.ids_fn is None:
@@ -131,26 +142,71 @@ class Prefetcher:
         self.next_number += 1
         return True
 
-    def _admit_window(self, start: int) -> None:
-        """Admit the union of the next `depth` buffered batches, halving the window until it fits."""
-        count = min(self.depth, len(self.buffer))
+    def _unions(self, offset: int, count: int) -> list[torch.Tensor]:
+        return [torch.unique(torch.cat([self.buffer[i][2][c] for i in range(offset, offset + count)]))
+                for c in range(len(self.caches))]
+
+    def _fitting_window(self, offset: int, keep: list[torch.Tensor] | None):
+        """The largest count <= depth (halving) of buffered batches from `offset` whose union fits every cache
+        together with `keep` (the window still in use); (0, None) if not even one batch fits."""
+        count = min(self.depth, len(self.buffer) - offset)
         while count >= 1:
-            unions = [torch.unique(torch.cat([self.buffer[i][2][c] for i in range(count)]))
-                      for c in range(len(self.caches))]
-            if all(u.numel() <= cache.capacity for u, cache in zip(unions, self.caches)):
-                break
+            unions = self._unions(offset, count)
+            need = unions if keep is None else [torch.unique(torch.cat([u, k])) for u, k in zip(unions, keep)]
+            if all(u.numel() <= cache.capacity for u, cache in zip(need, self.caches)):
+                return count, unions
             count //= 2
-        if count == 0:
-            for cache in self.caches:
-                cache.release_window()
-            self.window_end = start + 1
-            self.window_batches.append(0)
-            return
-        for cache, tracker, union in zip(self.caches, self.trackers, unions):
-            cache.admit_window(union, self.policy, tracker.next_use, now=start)
-        self.window_end = start + count
-        self.windows += 1
+        return 0, None
+
+    def _start_window(self, start: int) -> None:
+        """At a window boundary: switch to the window planned one window ago (its rows were moved meanwhile),
+        or admit this window now; then, overlapping, plan and start moving the next one."""
+        if self.pending is not None and self.pending[0] == start:
+            _, count, plans, unions = self.pending
+            self.pending = None
+            for cache, plan in zip(self.caches, plans):
+                cache.activate_window(plan)
+        else:
+            count, unions = self._fitting_window(0, None)
+            for cache, tracker, union in zip(self.caches, self.trackers, unions or [None] * len(self.caches)):
+                if count:
+                    cache.admit_window(union, self.policy, tracker.next_use, now=start)
+                else:
+                    cache.release_window()
+        self.window_end = start + max(count, 1)
         self.window_batches.append(count)
+        self.windows += count > 0
+        self.current_unions = unions
+        if self._overlapping() and count:
+            self._plan_next(self.window_end)
+
+    def _overlapping(self) -> bool:
+        if self.overlap is None:
+            self.overlap = all(c.device.type == "cuda" for c in self.caches)
+        return self.overlap
+
+    def _side_stream(self, cache: EmbeddingCache):
+        if cache.device.type != "cuda":
+            return None
+        if cache.device not in self.streams:
+            self.streams[cache.device] = torch.cuda.Stream(cache.device)
+        return self.streams[cache.device]
+
+    def _plan_next(self, start: int) -> None:
+        """Plan the window starting at `start` while the current one is in use (both must fit together) and
+        start its row transfer on a side stream; the current window's rows stay protected."""
+        offset = start - self.buffer[0][0]
+        if offset >= len(self.buffer):
+            return
+        count, unions = self._fitting_window(offset, self.current_unions)
+        if count == 0:
+            return
+        plans = []
+        for cache, tracker, union in zip(self.caches, self.trackers, unions):
+            plan = cache.plan_window(union, self.policy, tracker.next_use, now=start)
+            cache.transfer_window(plan, self._side_stream(cache))
+            plans.append(plan)
+        self.pending = (start, count, plans, unions)
 
     def __iter__(self) -> Iterator:
         try:
@@ -159,7 +215,7 @@ class Prefetcher:
             while self.buffer:
                 number, batch, uniq = self.buffer[0]
                 if number >= self.window_end:
-                    self._admit_window(number)
+                    self._start_window(number)
                 yield batch
                 # The consumer asked for the next batch: this one's forward and backward are done.
                 self.buffer.popleft()
@@ -172,13 +228,17 @@ class Prefetcher:
 
 
 def prefetch(batches: Iterable, modules: Sequence, depth: int = 4, horizon: int = 64, ids: IdsFn | None = None,
-             policy: str | Policy = "lookahead") -> Prefetcher:
+             policy: str | Policy = "lookahead", overlap: bool | None = None) -> Prefetcher:
     """Wrap any iterable of batches so the modules' caches admit each window of `depth` batches in one go,
     evicting with knowledge of the next `horizon` batches' ids. Yields the batches unchanged.
 
     `modules`: CachedEmbeddingBag / CachedEmbeddingBagCollection instances used by the model. Their ids are
     read from each batch by `module.prefetch_targets(batch)` (a tensor / (input, offsets, ...) tuple for a
     CachedEmbeddingBag; a KeyedJaggedTensor or dict for a collection) or by `ids(batch) -> [one tensor per
-    module]`. Training through prefetch gives the same table as training without it.
+    module]`; they must be the ids the forward will look up. Training through prefetch gives the same table as
+    training without it.
+
+    `overlap` (default: on for CUDA caches) plans each next window while the current one is in use, when both
+    fit in the cache together, and moves its rows on a side stream during the current window's compute.
     """
-    return Prefetcher(batches, modules, depth=depth, horizon=horizon, ids=ids, policy=policy)
+    return Prefetcher(batches, modules, depth=depth, horizon=horizon, ids=ids, policy=policy, overlap=overlap)

@@ -44,17 +44,22 @@ def test_gpu_training_equals_full_table(mode):
     torch.testing.assert_close(ours.weight, ref.weight.detach().cpu(), rtol=1e-4, atol=1e-4)
 
 
-def test_prefetch_on_gpu_is_exact():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefetch_on_gpu_is_exact(overlap):
+    """Side-stream window transfers racing the compute stream would show up as a different table."""
     torch.manual_seed(0)
-    batches = [((torch.rand(1024) ** 2 * 3000).long(), torch.arange(0, 1024, 4)) for _ in range(20)]
+    batches = [((torch.rand(8192) ** 2 * 60_000).long(), torch.arange(0, 8192, 4)) for _ in range(60)]
 
     def run(use_prefetch):
         torch.manual_seed(1)
-        emb = cachedemb.CachedEmbeddingBag(3000, 16, mode="sum", cache_rows=600, device="cuda",
+        emb = cachedemb.CachedEmbeddingBag(60_000, 128, mode="sum", cache_rows=20_000, device="cuda",
                                            optimizer=optim.Adam(lr=0.01))
-        source = cachedemb.prefetch(batches, [emb], depth=4, horizon=16) if use_prefetch else batches
+        source = (cachedemb.prefetch(batches, [emb], depth=4, horizon=16, overlap=overlap) if use_prefetch
+                  else batches)
         for ids, offsets in source:
-            emb(ids.cuda(), offsets.cuda()).sum().backward()
-        return emb.weight.clone()
+            emb(ids.cuda(non_blocking=True), offsets.cuda()).tanh().sum().backward()
+        return emb.weight.clone(), emb.cache_stats()
 
-    torch.testing.assert_close(run(True), run(False), rtol=1e-5, atol=1e-5)
+    (with_pipe, stats), (without, _) = run(True), run(False)
+    assert stats["windows"] > 0
+    torch.testing.assert_close(with_pipe, without, rtol=1e-5, atol=1e-5)

@@ -34,14 +34,37 @@ def make(cache_rows, spec=None, seed=0):
                                         optimizer=spec or optim.Adam(lr=0.01))
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlap"])
 @pytest.mark.parametrize("depth,horizon", [(1, 1), (2, 8), (4, 16), (7, 64)])
-@pytest.mark.parametrize("cache_rows", [40, 90])
-def test_prefetch_training_is_bit_exact(depth, horizon, cache_rows):
+@pytest.mark.parametrize("cache_rows", [40, 90, 200])
+def test_prefetch_training_is_bit_exact(depth, horizon, cache_rows, overlap):
     batches = zipf_batches(500, 40)
     plain = train(make(cache_rows), batches)
     emb = make(cache_rows)
-    got = train(emb, batches, lambda b: cachedemb.prefetch(b, [emb], depth=depth, horizon=horizon))
+    got = train(emb, batches, lambda b: cachedemb.prefetch(b, [emb], depth=depth, horizon=horizon,
+                                                           overlap=overlap))
     assert torch.equal(got, plain)
+
+
+def test_overlap_moves_the_next_window_while_the_current_one_stays_protected():
+    batches = zipf_batches(500, 24, bags=4, bag_len=4)
+    emb = make(cache_rows=300)
+    pipe = cachedemb.prefetch(batches, [emb], depth=4, horizon=16, overlap=True)
+    planned_ahead = 0
+    for i, (ids, offsets) in enumerate(pipe):
+        if i % 4 == 0:
+            cache = emb.cache
+            resident = cache.slot_ids[: cache.capacity]
+            protected_ids = set(resident[cache.protected[: cache.capacity]].tolist())
+            current = set(torch.cat([b[0] for b in batches[i:i + 4]]).tolist())
+            assert current <= protected_ids
+            if pipe.pending is not None:
+                planned_ahead += 1
+                following = set(torch.cat([b[0] for b in batches[i + 4:i + 8]]).tolist())
+                assert following <= set(resident.tolist()) and following <= protected_ids
+        emb(ids, offsets).sum().backward()
+    assert planned_ahead >= 4
+    assert emb.cache_stats()["misses"] == 0
 
 
 def test_windows_make_every_forward_a_hit_and_lock_the_window():
