@@ -46,8 +46,8 @@ class SGD(SparseOptimizer):
 
 
 @dataclass(frozen=True)
-class Adagrad(SparseOptimizer):
-    """Element-wise Adagrad, as torch.optim.Adagrad on a sparse gradient (lr_decay=0)."""
+class _AccumulatorOptimizer(SparseOptimizer):
+    """Adagrad-style rules: a running sum of squared gradients per element or per row."""
 
     lr: float = 0.01
     eps: float = 1e-10
@@ -58,6 +58,11 @@ class Adagrad(SparseOptimizer):
         _check_positive("eps", self.eps, allow_zero=True)
         _check_positive("initial_accumulator_value", self.initial_accumulator_value, allow_zero=True)
 
+
+@dataclass(frozen=True)
+class Adagrad(_AccumulatorOptimizer):
+    """Element-wise Adagrad, as torch.optim.Adagrad on a sparse gradient (lr_decay=0)."""
+
     def state_layout(self, dim: int):
         return {"sum": (dim, float(self.initial_accumulator_value))}
 
@@ -66,17 +71,10 @@ class Adagrad(SparseOptimizer):
 
 
 @dataclass(frozen=True)
-class RowWiseAdagrad(SparseOptimizer):
+class RowWiseAdagrad(_AccumulatorOptimizer):
     """FBGEMM's row-wise Adagrad: one accumulator per row (mean of g^2), 1/D of Adagrad's state."""
 
-    lr: float = 0.01
     eps: float = 1e-8
-    initial_accumulator_value: float = 0.0
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check_positive("eps", self.eps, allow_zero=True)
-        _check_positive("initial_accumulator_value", self.initial_accumulator_value, allow_zero=True)
 
     def state_layout(self, dim: int):
         return {"sum": (1, float(self.initial_accumulator_value))}

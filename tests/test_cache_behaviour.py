@@ -314,3 +314,14 @@ def test_construction_peak_host_memory_is_one_table():
     grown = int(out.stdout.strip())
     table_and_state = 2_000_000 * 64 * 4 * 2 + 2_000_000 * 8  # weight + Adagrad sum + counts
     assert grown <= 1.15 * table_and_state, (grown, table_and_state)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: optim.SGD(lr=-0.1), "lr"),
+    (lambda: optim.Adagrad(lr=0.1, eps=-1.0), "eps"),
+    (lambda: optim.RowWiseAdagrad(initial_accumulator_value=-1.0), "initial_accumulator_value"),
+    (lambda: optim.Adam(betas=(1.0, 0.9)), "betas"),
+], ids=["sgd_lr", "adagrad_eps", "rowwise_init", "adam_betas"])
+def test_optimizer_specs_reject_bad_hyperparameters(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
