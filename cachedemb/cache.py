@@ -92,7 +92,7 @@ def advise_huge_pages(t: torch.Tensor) -> None:
         if end > start:
             libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
     except (OSError, AttributeError):
-        pass
+        return  # huge pages only speed things up; plain pages are correct
 
 
 class EmbeddingCache:

@@ -63,11 +63,13 @@ class _GroupBag(CachedEmbeddingBag):
     """A group's CachedEmbeddingBag; its state is saved and loaded per table by the collection."""
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        pass
+        """Nothing under the group's own prefix: the collection writes per-table keys."""
+        return None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        pass
+        """Nothing under the group's own prefix: the collection reads per-table keys."""
+        return None
 
 
 @dataclass(frozen=True)

@@ -208,10 +208,14 @@ class Prefetcher:
             plans.append(plan)
         self.pending = (start, count, plans, unions)
 
+    def _fill_horizon(self) -> None:
+        while len(self.buffer) < self.horizon:
+            if not self._read_one():
+                return
+
     def __iter__(self) -> Iterator:
         try:
-            while len(self.buffer) < self.horizon and self._read_one():
-                pass
+            self._fill_horizon()
             while self.buffer:
                 number, batch, uniq = self.buffer[0]
                 if number >= self.window_end:
