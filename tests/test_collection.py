@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import cachedemb
 from cachedemb import optim
 from cachedemb.collection import CachedEmbeddingBagCollection, TableConfig
 
@@ -220,3 +221,24 @@ def test_torchrec_dlrm_accepts_the_collection():
     logits.sum().backward()  # the fused optimizer steps the embeddings; dense params get .grad
     assert model.dense_arch.model._mlp[0]._linear.weight.grad is not None
 
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlap"])
+def test_prefetch_over_kjt_batches_trains_identically(overlap):
+    """The pipeline reads a collection's ids straight from KeyedJaggedTensor batches (every group's cache)."""
+    batches = [random_kjt(TABLES, seed=100 + i, max_len=5) for i in range(12)]
+
+    def run(use_prefetch):
+        torch.manual_seed(0)
+        coll = CachedEmbeddingBagCollection(TABLES, cache_rows=40, device="cpu", optimizer=optim.Adam(lr=0.05))
+        source = (cachedemb.prefetch(batches, [coll], depth=3, horizon=6, overlap=overlap) if use_prefetch
+                  else batches)
+        for kjt in source:
+            coll(kjt).values().tanh().sum().backward()
+        return {k: v.clone() for k, v in coll.state_dict().items()}, coll.cache_stats()
+
+    (with_pipe, stats), (without, _) = run(True), run(False)
+    assert stats["windows"] > 0 and stats["misses"] == 0
+    assert with_pipe.keys() == without.keys()
+    for key in without:
+        assert torch.equal(with_pipe[key], without[key]), key
