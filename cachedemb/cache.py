@@ -139,6 +139,7 @@ class EmbeddingCache:
         self.freq_halflife = freq_halflife
         self.train_batches = 0
         self._pending = None  # CUDA event of a window transfer still running on a side stream
+        self.table_starts = self.table_ranks = None  # set_tables(): per-table ranks for the policies
         self._stat_index: dict[tuple, torch.Tensor] = {}
 
     # ----------------------------------------------------------------- device buffers
@@ -388,7 +389,7 @@ class EmbeddingCache:
         self._grow_spill(miss_count - int(n_admit) if dev.type == "cpu" else spill_bound)
         k = max(1, min(miss_count, self.capacity))
         view = SlotView(self.slot_ids[: self.capacity], self.slot_freq[: self.capacity],
-                        self.slot_last_use[: self.capacity], self.next_use, protected)
+                        self.slot_last_use[: self.capacity], self.next_use, protected, self._table_rank())
         victims = kernels.victim_select(policy(view), k) if miss_count > 0 else None
 
         # Rank the misses; rank r < n_admit takes victim r, the rest go to spill slots in order.
@@ -464,6 +465,28 @@ class EmbeddingCache:
         self.slot_ids[: ids.numel()] = ids
         self._rebuild_index()
 
+    def set_tables(self, starts) -> None:
+        """Tell the policies which rows belong to which table (ascending first rows, one per table, the first
+        0), for caches shared by several tables. Tables are ranked by size, largest first."""
+        starts = torch.as_tensor(starts, dtype=torch.int64).reshape(-1)
+        if starts.numel() == 0 or int(starts[0]) != 0 or bool((starts[1:] <= starts[:-1]).any()) or \
+                int(starts[-1]) >= self.num_rows:
+            raise ValueError(f"table starts must ascend from 0 and stay below {self.num_rows} rows, "
+                             f"got {starts.tolist()}")
+        sizes = torch.diff(starts, append=torch.tensor([self.num_rows]))
+        order = torch.argsort(-sizes, stable=True)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel())
+        self.table_starts = starts.to(self.device)
+        self.table_ranks = rank.to(self.device)
+
+    def _table_rank(self) -> torch.Tensor | None:
+        if getattr(self, "table_starts", None) is None:
+            return None
+        ids = self.slot_ids[: self.capacity].clamp(min=0)
+        table = torch.searchsorted(self.table_starts, ids, right=True) - 1
+        return self.table_ranks[table]
+
     def halve_counts(self) -> None:
         """Age every access count (host and cached) by half, so old popularity fades. O(table) on the host,
         once per `freq_halflife` training batches; on CUDA it waits for in-flight copies of the counts."""
@@ -487,6 +510,9 @@ class EmbeddingCache:
         for name in ("slot_ids", "slot_freq", "slot_last_use", "dirty", "next_use", "protected",
                      "index_keys", "index_slots", "stats", "history"):
             setattr(self, name, getattr(self, name).to(device))
+        for name in ("table_starts", "table_ranks"):
+            if getattr(self, name, None) is not None:
+                setattr(self, name, getattr(self, name).to(device))
         self.states = {k: v.to(device) for k, v in self.states.items()}
 
     def row_bytes(self) -> int:

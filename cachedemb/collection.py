@@ -148,6 +148,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                                        device=device, cache_ratio=cache_ratio, cache_rows=cache_rows,
                                        optimizer=optimizer, id_freq=freq, warmup_ratio=warmup_ratio,
                                        policy=policy, validate_inputs=False))
+            self.bags[-1].cache.set_tables(offsets[:-1])
         # Per-feature (row offset, table size) as tensors for the 2-D fast path, per group.
         for g, group in enumerate(self._groups):
             offs = [self._table_group[self._feature_table[f]][1] for f in group.features]

@@ -25,6 +25,7 @@ class SlotView(NamedTuple):
     last_use: torch.Tensor  # int64 batch number of the last access
     next_use: torch.Tensor  # int64 batches until the next known use; -1 = none inside the horizon
     protected: torch.Tensor  # bool: needed by a batch in flight, never evicted
+    table_rank: torch.Tensor | None = None  # int64 rank of the row's table by size (0 = largest), if known
 
 
 Policy = Callable[[SlotView], torch.Tensor]
@@ -49,11 +50,14 @@ def lru(view: SlotView) -> torch.Tensor:
 
 
 def lookahead(view: SlotView) -> torch.Tensor:
-    """Rows with no use inside the horizon first (least frequent first), then the row used furthest ahead
+    """Rows with no use inside the horizon first (least frequent first; among equal counts, rows of larger
+    tables first, since the same count means less in a flatter table), then the row used furthest ahead
     (Belady inside the horizon)."""
     no_use = view.next_use < 0
     far_first = _TIER + (_TIER - 1 - view.next_use.clamp(min=0, max=_TIER - 1))
-    key = torch.where(no_use, view.freq.clamp(max=_TIER - 1), far_first)
+    rank = view.table_rank if view.table_rank is not None else torch.zeros_like(view.freq)
+    by_count = view.freq.clamp(max=(1 << 24) - 1) * 256 + rank.clamp(max=255)
+    key = torch.where(no_use, by_count, far_first)
     return _finish(view, key)
 
 

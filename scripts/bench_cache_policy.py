@@ -22,15 +22,18 @@ import torch
 
 import cachedemb
 from cachedemb import cache_sim
-from cachedemb.traces import criteo_like_trace, criteo_table_sizes, load_trace, zipf_trace
+from cachedemb.traces import criteo_like_trace, criteo_table_sizes, load_trace, table_offsets, zipf_trace
 
 
-def module_run(trace, num_rows, capacity, policy, horizon=None, depth=4):
-    """Replay the trace through a real CachedEmbeddingBag (training steps, SGD lr=0 so the table is fixed)."""
+def module_run(trace, num_rows, capacity, policy, horizon=None, depth=4, table_starts=None):
+    """Replay the trace through a real CachedEmbeddingBag (training steps, SGD lr=0 so the table is fixed);
+    a multi-table trace shares one cache, as a CachedEmbeddingBagCollection group does."""
     emb = cachedemb.CachedEmbeddingBag(num_rows, 1, mode="sum", cache_rows=capacity, device="cpu",
                                        optimizer=cachedemb.optim.SGD(lr=0.0),
                                        policy=policy if horizon is None else "lfu",
                                        _weight=torch.zeros(num_rows, 1))
+    if table_starts is not None:
+        emb.cache.set_tables(table_starts)
     batches = [(torch.from_numpy(b), torch.zeros(1, dtype=torch.int64)) for b in trace]
     source = batches if horizon is None else cachedemb.prefetch(batches, [emb], depth=depth, horizon=horizon,
                                                                  policy=policy)
@@ -49,7 +52,7 @@ def sim_run(prepared, capacity, name, **kw):
             "seconds": round(time.perf_counter() - start, 3)}
 
 
-def bench_trace(name, trace, num_rows, ratios, horizons, depths):
+def bench_trace(name, trace, num_rows, ratios, horizons, depths, table_starts=None):
     prepared = cache_sim.prepare_trace(trace)
     out = {"trace": name, "num_rows": num_rows, "batches": len(trace),
            "lookups_per_batch": float(np.mean([len(b) for b in trace])),
@@ -62,14 +65,15 @@ def bench_trace(name, trace, num_rows, ratios, horizons, depths):
             "sim_lfu": sim_run(prepared, capacity, "lfu"),
             "sim_lfu_reset_colossalai": sim_run(prepared, capacity, "lfu_reset"),
             "sim_set_assoc_lru_32way_fbgemm": sim_run(prepared, capacity, "set_lru", ways=32),
-            "cachedemb_lfu": module_run(trace, num_rows, capacity, "lfu"),
-            "cachedemb_lru": module_run(trace, num_rows, capacity, "lru"),
+            "cachedemb_lfu": module_run(trace, num_rows, capacity, "lfu", table_starts=table_starts),
+            "cachedemb_lru": module_run(trace, num_rows, capacity, "lru", table_starts=table_starts),
         }
         for k in depths:
             for h in horizons:
                 if h >= k:
                     rows[f"cachedemb_lookahead_H{h}_K{k}"] = module_run(trace, num_rows, capacity, "lookahead",
-                                                                         horizon=h, depth=k)
+                                                                         horizon=h, depth=k,
+                                                                         table_starts=table_starts)
         opt = rows["opt"]["rows_moved"]
         for r in rows.values():
             r["hit_rate"] = round(1 - r["rows_moved"] / max(1, r["unique_lookups"]), 5)
@@ -99,24 +103,26 @@ def main(argv=None):
     traces = []
     if args.trace_file:
         trace = load_trace(args.trace_file)
-        traces.append((args.trace_file, trace, int(max(b.max() for b in trace if len(b))) + 1))
+        traces.append((args.trace_file, trace, int(max(b.max() for b in trace if len(b))) + 1, None))
     else:
         for name in args.traces:
             if name.startswith("zipf"):
                 alpha = float(name[4:])
                 trace = zipf_trace(args.num_rows, args.batch_lookups, args.batches, alpha, seed=args.seed)
-                traces.append((name, trace, args.num_rows))
+                traces.append((name, trace, args.num_rows, None))
             elif name == "criteo":
                 sizes = criteo_table_sizes(args.criteo_scale)
                 trace = criteo_like_trace(sizes, args.criteo_batch, args.batches, seed=args.seed)
-                traces.append((f"criteo_like_scale{args.criteo_scale}", trace, int(sum(sizes))))
+                traces.append((f"criteo_like_scale{args.criteo_scale}", trace, int(sum(sizes)),
+                               table_offsets(sizes)[: len(sizes)]))
             else:
                 raise SystemExit(f"unknown trace {name!r}: expected zipf<alpha> or criteo")
     report = {
         "benchmark": "cache_policy_rows_moved",
         "machine": {"platform": platform.platform(), "cpu_threads": torch.get_num_threads()},
         "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "traces": [bench_trace(n, t, rows, args.ratios, args.horizons, args.depths) for n, t, rows in traces],
+        "traces": [bench_trace(n, t, rows, args.ratios, args.horizons, args.depths, starts)
+                   for n, t, rows, starts in traces],
     }
     text = json.dumps(report, indent=2)
     print(text)

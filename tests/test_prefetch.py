@@ -161,3 +161,20 @@ def test_bad_arguments(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         cachedemb.prefetch([], **args)
+
+
+def test_lookahead_breaks_count_ties_by_table_size():
+    """Two tables share the cache (rows 0..9 and 10..109): among rows with no use ahead and equal counts, the
+    larger table's row goes first."""
+    from cachedemb.policy import SlotView, lookahead
+
+    emb = cachedemb.CachedEmbeddingBag(110, 2, cache_rows=2, device="cpu")
+    emb.cache.set_tables([0, 10])
+    emb.cache.preload(torch.tensor([3, 50]))
+    c = emb.cache
+    view = SlotView(c.slot_ids[:2], torch.tensor([5, 5]), torch.zeros(2, dtype=torch.long),
+                    torch.full((2,), -1), torch.zeros(2, dtype=torch.bool), c._table_rank())
+    score = lookahead(view)
+    assert int(torch.argmin(score)) == int((c.slot_ids[:2] == 50).nonzero()[0, 0])
+    with pytest.raises(ValueError, match="table starts"):
+        emb.cache.set_tables([1, 10])
