@@ -285,8 +285,10 @@ def train(model: DLRM, dense_opt, split: PreprocessedSplit, args, position: dict
             step += 1
             samples += labels.numel()
             window_samples += labels.numel()
-            loss_sum, loss_n = loss_sum + float(loss.detach()), loss_n + 1
+            # Summed on the device: a float() per step would be a host sync per step on a GPU.
+            loss_sum, loss_n = loss_sum + loss.detach(), loss_n + 1
             if step % args.log_every == 0:
+                loss_sum = float(loss_sum)
                 now = time.perf_counter()
                 sps = window_samples / max(now - window_start, 1e-9)
                 rate = hit_rate(model.sparse_arch.cache_stats())
