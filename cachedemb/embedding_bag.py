@@ -251,6 +251,14 @@ class CachedEmbeddingBag(nn.Module):
         self.cache.flush()
         return self.cache.host_weight
 
+    def to_embedding_bag(self, device=None) -> nn.EmbeddingBag:
+        """A plain nn.EmbeddingBag with a copy of the full table (for serving or export); needs the table to
+        fit where it goes."""
+        weight = self.weight.detach().to(device=device or "cpu", copy=True)
+        return nn.EmbeddingBag.from_pretrained(weight, freeze=False, mode=self.mode, sparse=self.sparse,
+                                               include_last_offset=self.include_last_offset,
+                                               padding_idx=self.padding_idx)
+
     def cache_stats(self) -> dict:
         """Counters since the last reset (a host sync on CUDA): lookups, unique (per-batch distinct ids),
         hits + misses (= unique), evictions, rows_in (rows moved host->device, window admissions included),

@@ -157,3 +157,33 @@ def test_ids_on_any_device_and_int32():
     torch.testing.assert_close(ours(ids, offsets), ref(ids, offsets))
     if torch.cuda.is_available():
         torch.testing.assert_close(ours(ids.cuda(), offsets.cuda()).cpu(), ref(ids, offsets))
+
+
+def test_per_sample_weight_gradient_uses_the_rows_before_the_fused_update():
+    torch.manual_seed(0)
+    ref = nn.EmbeddingBag(40, 6, mode="sum")
+    ours = cachedemb.CachedEmbeddingBag(40, 6, mode="sum", cache_rows=3, optimizer=cachedemb.optim.SGD(lr=1.0),
+                                        _weight=ref.weight.detach().clone(), device="cpu")
+    ids, offsets = torch.tensor([1, 5, 5, 30, 2, 7]), torch.tensor([0, 3])
+    w_ref = torch.rand(6, requires_grad=True)
+    w_ours = w_ref.detach().clone().requires_grad_(True)
+    grad = torch.randn(2, 6)
+    ref(ids, offsets, w_ref).backward(grad)
+    ours(ids, offsets, w_ours).backward(grad)
+    torch.testing.assert_close(w_ours.grad, w_ref.grad, rtol=1e-6, atol=1e-6)
+    # ...and the fused SGD step then applied exactly the reference gradient.
+    torch.testing.assert_close(ours.weight, ref.weight.detach() - ref.weight.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_export_to_a_plain_embedding_bag():
+    torch.manual_seed(0)
+    ours = cachedemb.CachedEmbeddingBag(25, 4, mode="mean", padding_idx=2, cache_rows=3, device="cpu",
+                                        include_last_offset=True)
+    plain = ours.to_embedding_bag()
+    assert isinstance(plain, nn.EmbeddingBag) and plain.padding_idx == 2 and plain.include_last_offset
+    ids, offsets = torch.tensor([2, 4, 9, 9, 24]), torch.tensor([0, 2, 5])
+    torch.testing.assert_close(plain.weight, ours.weight, rtol=0, atol=0)
+    torch.testing.assert_close(plain(ids, offsets), ours(ids, offsets), rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        plain.weight.add_(1.0)  # a copy: the cached module's table is untouched
+    assert not torch.equal(plain.weight, ours.weight)
