@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import backend_for
-from .pooled_forward import MODE_MAX, MODE_MEAN, MODE_SUM
+from .pooled_forward import MODE_MAX, MODE_MEAN, MODE_SUM, lookup_rows_of
 
 
 def bag_of_lookup(offsets: torch.Tensor, n_lookups: int) -> torch.Tensor:
@@ -176,6 +176,6 @@ def per_sample_weights_grad(grad_out, rows, loc_u, inverse, offsets):
     """d loss / d per_sample_weights (sum mode): <grad_out[bag], row of the lookup>; 0 for padding lookups."""
     n_lookups = inverse.numel()
     bag = bag_of_lookup(offsets, n_lookups)
-    lookup_rows = rows.index_select(0, loc_u[inverse.clamp(min=0)]).float()
+    lookup_rows = rows.index_select(0, lookup_rows_of(loc_u, inverse)).float()
     dots = (grad_out.float()[bag] * lookup_rows).sum(1)
     return torch.where(inverse >= 0, dots, 0.0)

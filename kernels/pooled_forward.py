@@ -19,6 +19,14 @@ MODE_SUM, MODE_MEAN, MODE_MAX = 0, 1, 2
 MODES = {"sum": MODE_SUM, "mean": MODE_MEAN, "max": MODE_MAX}
 
 
+def lookup_rows_of(loc_u: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """The row each lookup reads; padding lookups (and a batch with no unique id at all) point at row 0, which
+    the caller masks out."""
+    if loc_u.numel() == 0:
+        return torch.zeros_like(inverse)
+    return loc_u[inverse.clamp(min=0)].clamp(min=0)
+
+
 def pooled_forward_torch(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None):
     """Reference: torch.embedding_bag on the rows each lookup reads. fp32 sum/mean read the cache rows in
     place (padding lookups get weight 0, and mean becomes a weighted sum); max and half precision gather the
@@ -27,7 +35,7 @@ def pooled_forward_torch(rows, loc_u, inverse, offsets, mode: int, per_sample_we
         return _pooled_in_place(rows, loc_u, inverse, offsets, mode, per_sample_weights), None
     n_lookups = inverse.numel()
     valid = inverse >= 0
-    lookup_rows = loc_u[inverse.clamp(min=0)]
+    lookup_rows = lookup_rows_of(loc_u, inverse)
     gathered = rows.index_select(0, lookup_rows.to(rows.device)).float()
     table = torch.cat([gathered, gathered.new_zeros(1, rows.shape[1])])
     positions = torch.arange(n_lookups, device=inverse.device)
@@ -45,7 +53,7 @@ def pooled_forward_torch(rows, loc_u, inverse, offsets, mode: int, per_sample_we
 
 
 def _pooled_in_place(rows, loc_u, inverse, offsets, mode, per_sample_weights):
-    idx = loc_u[inverse.clamp(min=0)]
+    idx = lookup_rows_of(loc_u, inverse)
     valid = inverse >= 0
     starts = offsets[:-1]
     if bool(valid.all()):

@@ -187,3 +187,17 @@ def test_export_to_a_plain_embedding_bag():
     with torch.no_grad():
         plain.weight.add_(1.0)  # a copy: the cached module's table is untouched
     assert not torch.equal(plain.weight, ours.weight)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fused", [False, True], ids=["torch_sgd", "fused_adam"])
+def test_a_batch_of_only_padding(mode, fused):
+    """No unique id at all: zero bags, nothing updated, no row read."""
+    ref, ours = make_pair(10, 3, mode, 2, padding_idx=0,
+                          **({"optimizer": cachedemb.optim.Adam(lr=0.1)} if fused else {}))
+    before = ours.weight.clone()
+    ids, offsets = torch.tensor([0, 0, 0]), torch.tensor([0, 1])
+    out = ours(ids, offsets)
+    torch.testing.assert_close(out, ref(ids, offsets), rtol=0, atol=0)
+    out.sum().backward()
+    assert torch.equal(ours.weight, before)

@@ -56,3 +56,8 @@ def test_the_triton_path_really_runs(monkeypatch):
     emb = conformance.make_pair(20, 4, "sum", 3)[1]
     emb(torch.tensor([1, 2, 3]), torch.tensor([0]))
     assert calls
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_padding_only_batch_on_triton(mode):
+    conformance.test_a_batch_of_only_padding(mode, fused=True)
