@@ -418,6 +418,8 @@ class EmbeddingCache:
                 self._move_rows(move)
             self._masked_put(self.slot_ids, miss_dest, miss_ids, n_miss)
             self._masked_put(self.dirty, miss_dest, torch.zeros_like(miss_dest, dtype=torch.bool), n_miss)
+            # Admission counts as a use for recency (else a row would inherit its victim's last use).
+            self._masked_put(self.slot_last_use, miss_dest, torch.full_like(miss_dest, self.batch_counter), n_miss)
             self._rebuild_index()
             self._bump_stats(evictions=evicted, rows_out=written)
         return loc_u, live, n_hit, n_miss, move

@@ -48,7 +48,9 @@ class NextUseTracker:
     O(unique ids) per batch, on the host."""
 
     def __init__(self, num_rows: int):
-        self.next_use = torch.full((num_rows,), -1, dtype=torch.int64)
+        # Pinned where CUDA exists: window admission reads it from the device without a staged copy. The host
+        # may advance it before that read runs; that only changes which rows a policy prefers, never results.
+        self.next_use = torch.full((num_rows,), -1, dtype=torch.int64, pin_memory=torch.cuda.is_available())
         self.latest = torch.full((num_rows,), -1, dtype=torch.int64)
         self.links: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self.retired_upto = 0  # batches < this have been used
