@@ -35,9 +35,10 @@ class _PooledLookup(torch.autograd.Function):
         cache = owner.cache
         if plan.generation != cache.generation:
             raise RuntimeError(
-                "CachedEmbeddingBag: backward of a batch whose cache rows were moved by a later forward "
-                f"(batch generation {plan.generation}, cache generation {cache.generation}). Run backward "
-                "before the next forward of the same module."
+                "CachedEmbeddingBag: backward of a batch whose cache rows were moved by a later forward or "
+                f"prefetch admission (batch generation {plan.generation}, cache generation {cache.generation}). "
+                "Run backward before the next forward of the same module (and before asking a prefetch "
+                "pipeline for the next batch)."
             )
         grad_out = grad_out.contiguous()
         rows = cache.rows.data
@@ -55,8 +56,7 @@ class _PooledLookup(torch.autograd.Function):
                                     bags.offsets, bags.mode, psw_values, ctx.max_pos, rule)
             cache.mark_dirty(plan)
         elif ctx.needs_input_grad[3]:
-            grad_u = kernels.bag_backward_torch(grad_out, plan.inverse, bags.offsets, bags.mode, psw_values,
-                                                ctx.max_pos)
+            grad_u = kernels.bag_backward(grad_out, plan.inverse, bags.offsets, bags.mode, psw_values, ctx.max_pos)
             grad_rows = owner._rows_grad(plan, grad_u)
         return None, None, None, grad_rows, grad_psw, None
 
