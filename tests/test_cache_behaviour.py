@@ -325,3 +325,19 @@ def test_construction_peak_host_memory_is_one_table():
 def test_optimizer_specs_reject_bad_hyperparameters(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def device_side_bytes(cache):
+    tensors = [cache.rows.data, cache.slot_ids, cache.slot_freq, cache.slot_last_use, cache.dirty, cache.next_use,
+               cache.protected, cache.index_keys, cache.index_slots, cache.stats, cache.history]
+    tensors += list(cache.states.values())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_device_metadata_is_proportional_to_the_cache_not_the_table():
+    small = cachedemb.CachedEmbeddingBag(1_000, 8, cache_rows=64, optimizer=optim.Adam(0.1), device="cpu")
+    large = cachedemb.CachedEmbeddingBag(400_000, 8, cache_rows=64, optimizer=optim.Adam(0.1), device="cpu")
+    assert device_side_bytes(small.cache) == device_side_bytes(large.cache)
+    per_row = device_side_bytes(large.cache) / 64
+    # rows + Adam moments (3 x 8 fp32) + ids/counts/last use/index/flags: ~140 bytes per cached row
+    assert per_row < 8 * 4 * 3 + 64, per_row
