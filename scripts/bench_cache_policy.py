@@ -25,7 +25,7 @@ from cachedemb import cache_sim
 from cachedemb.traces import criteo_like_trace, criteo_table_sizes, load_trace, table_offsets, zipf_trace
 
 
-def module_run(trace, num_rows, capacity, policy, horizon=None, depth=4, table_starts=None):
+def module_run(trace, num_rows, capacity, policy, horizon=None, depth=4, table_starts=None, overlap=False):
     """Replay the trace through a real CachedEmbeddingBag (training steps, SGD lr=0 so the table is fixed);
     a multi-table trace shares one cache, as a CachedEmbeddingBagCollection group does."""
     emb = cachedemb.CachedEmbeddingBag(num_rows, 1, mode="sum", cache_rows=capacity, device="cpu",
@@ -36,7 +36,7 @@ def module_run(trace, num_rows, capacity, policy, horizon=None, depth=4, table_s
         emb.cache.set_tables(table_starts)
     batches = [(torch.from_numpy(b), torch.zeros(1, dtype=torch.int64)) for b in trace]
     source = batches if horizon is None else cachedemb.prefetch(batches, [emb], depth=depth, horizon=horizon,
-                                                                 policy=policy)
+                                                                 policy=policy, overlap=overlap)
     start = time.perf_counter()
     for ids, offsets in source:
         emb(ids, offsets).sum().backward()
@@ -74,6 +74,12 @@ def bench_trace(name, trace, num_rows, ratios, horizons, depths, table_starts=No
                     rows[f"cachedemb_lookahead_H{h}_K{k}"] = module_run(trace, num_rows, capacity, "lookahead",
                                                                          horizon=h, depth=k,
                                                                          table_starts=table_starts)
+            # The GPU default: the next window is admitted while the current one is in use (2K batches resident).
+            h = max(horizons)
+            if k > 1 and h >= 2 * k:
+                rows[f"cachedemb_lookahead_H{h}_K{k}_overlap"] = module_run(
+                    trace, num_rows, capacity, "lookahead", horizon=h, depth=k, table_starts=table_starts,
+                    overlap=True)
         opt = rows["opt"]["rows_moved"]
         for r in rows.values():
             r["hit_rate"] = round(1 - r["rows_moved"] / max(1, r["unique_lookups"]), 5)
