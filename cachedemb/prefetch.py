@@ -201,7 +201,9 @@ class Prefetcher:
         if offset >= len(self.buffer):
             return
         count, unions = self._fitting_window(offset, self.current_unions)
-        if count == 0:
+        if count < min(self.depth, len(self.buffer) - offset):
+            # Only a whole window is worth moving early: a shrunken one fragments later windows and, with the
+            # current window pinned, leaves the policy little choice (more rows moved overall).
             return
         plans = []
         for cache, tracker, union in zip(self.caches, self.trackers, unions):
