@@ -1,6 +1,7 @@
 """CachedEmbeddingBag against nn.EmbeddingBag on the full table: forward, weight and per-sample-weight
 gradients, over randomized configurations with caches small enough to evict (and spill) on every step."""
 import itertools
+import os
 import random
 
 import pytest
@@ -88,8 +89,12 @@ def run_steps(ref, ours, case, steps=3, lr=0.5):
             psw_ours = base.clone().requires_grad_(True)
         out_ref = ref(ids, offsets, psw_ref)
         out_ours = ours(ids, offsets, psw_ours)
-        # max is a copy of one row element: bit-exact. sum/mean are reductions: fp32 rounding only.
-        tol = 0 if case["mode"] == "max" else 1e-5
+        # Bit-exact: max (a copy), and on the torch backend sum/mean without padding lookups (the same pooling
+        # kernel over the same rows). Padding lookups (pooled through per-lookup weights) and the Triton
+        # kernels (sequential fp32 sums) differ by fp32 rounding only.
+        has_padding = padding_idx is not None and bool((ids == padding_idx).any())
+        on_triton = os.environ.get("CACHEDEMB_BACKEND") == "triton"
+        tol = 1e-5 if (case["mode"] != "max" and (has_padding or on_triton)) else 0
         torch.testing.assert_close(out_ours, out_ref, rtol=tol, atol=tol)
         grad = torch.randn_like(out_ref)
         opt_ref.zero_grad()
