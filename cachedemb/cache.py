@@ -110,12 +110,10 @@ class EmbeddingCache:
         self.policy: Policy = resolve(policy)
         self.host_weight = host_weight
         self.host_states: dict[str, torch.Tensor] = {}
-        self.state_init: dict[str, float] = {}
         for name, (cols, init) in state_layout.items():
             state = pinned_empty((num_rows, cols), torch.float32)
             state.fill_(init)
             self.host_states[name] = state
-            self.state_init[name] = init
         self.host_freq = pinned_empty((num_rows,), torch.int64)
         if host_freq is None:
             self.host_freq.zero_()
@@ -224,11 +222,14 @@ class EmbeddingCache:
         ids = self.slot_ids[slots]
         dirty = self.dirty[slots] & (ids >= 0)
         live = torch.arange(slots.numel(), device=self.device) < n
-        dirty_ids = torch.where(dirty, ids, torch.full_like(ids, -1))
+        self._copy_out(slots, torch.where(dirty, ids, torch.full_like(ids, -1)), ids, n)
+        return (dirty & live).sum().reshape(1)
+
+    def _copy_out(self, slots, dirty_ids, ids, n) -> None:
+        """Rows and state of the first n `slots` to the host rows `dirty_ids` (-1 skips: clean), counts to `ids`."""
         for dev_t, host_t in self._row_tensors():
             kernels.row_copy(dev_t, slots, host_t, dirty_ids, n)
         kernels.row_copy(self.slot_freq, slots, self.host_freq, ids, n)
-        return (dirty & live).sum().reshape(1)
 
     def _fill(self, ids: torch.Tensor, slots: torch.Tensor, n) -> None:
         """Gather rows, state and counts of the first n `ids` from the host into `slots`."""
@@ -426,9 +427,7 @@ class EmbeddingCache:
 
     def _move_rows(self, move: RowMove) -> None:
         """Dirty victims (rows, state) and every victim's count to the host, then the missing rows in."""
-        for dev_t, host_t in self._row_tensors():
-            kernels.row_copy(dev_t, move.victims, host_t, move.dirty_ids, move.n_admit)
-        kernels.row_copy(self.slot_freq, move.victims, self.host_freq, move.old_ids, move.n_admit)
+        self._copy_out(move.victims, move.dirty_ids, move.old_ids, move.n_admit)
         self._fill(move.miss_ids, move.miss_dest, move.n_miss)
 
     def mark_dirty(self, plan: BatchPlan) -> None:
