@@ -112,7 +112,7 @@ class CachedEmbeddingBag(nn.Module):
         self.cache = EmbeddingCache(host_weight, capacity, torch.device(device), state_layout, policy, freq,
                                     history=stats_history, freq_halflife=freq_halflife)
         self.cache_weight = self.cache.rows
-        self.cache_weight.requires_grad_(optimizer is None and not getattr(self, "_frozen", False))
+        self.cache_weight.requires_grad_(optimizer is None)
         # Fused mode: a zero-size tensor that requires grad makes autograd call our backward.
         self._anchor = torch.zeros(0, requires_grad=True)
         if freq is not None and warmup_ratio > 0:
@@ -193,11 +193,11 @@ class CachedEmbeddingBag(nn.Module):
         if freeze and cache_kwargs.get("optimizer") is not None:
             raise ValueError("freeze=True with an optimizer: pass freeze=False to train the embeddings")
         rows, dim = embeddings.shape
-        module = cls.__new__(cls)
-        module._frozen = freeze
-        cls.__init__(module, rows, dim, max_norm=max_norm, norm_type=norm_type,
-                     scale_grad_by_freq=scale_grad_by_freq, mode=mode, sparse=sparse, _weight=embeddings,
-                     include_last_offset=include_last_offset, padding_idx=padding_idx, **cache_kwargs)
+        module = cls(rows, dim, max_norm=max_norm, norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq,
+                     mode=mode, sparse=sparse, _weight=embeddings, include_last_offset=include_last_offset,
+                     padding_idx=padding_idx, **cache_kwargs)
+        if freeze:
+            module.cache_weight.requires_grad_(False)
         return module
 
     # ----------------------------------------------------------------- forward
@@ -310,10 +310,11 @@ class CachedEmbeddingBag(nn.Module):
         if prefix + _STEP_KEY in state_dict and self.optimizer is not None:
             self.optimizer_step = int(state_dict[prefix + _STEP_KEY])
         self.cache.reload()
-        known = {key, prefix + _STEP_KEY} | {prefix + f"optimizer.{n}" for n in self.cache.host_states}
-        for k in state_dict:
-            if k.startswith(prefix) and k not in known and "." not in k[len(prefix):].replace("optimizer.", "", 1):
-                unexpected_keys.append(k)
+        # This module has no children: every key under its prefix is its own.
+        known = {key} | {prefix + f"optimizer.{n}" for n in self.cache.host_states}
+        if self.optimizer is not None:
+            known.add(prefix + _STEP_KEY)
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in known)
 
     def _apply(self, fn, recurse=True):
         """`.to()/.cuda()/.cpu()` move the cache only; the host table never goes to the device."""

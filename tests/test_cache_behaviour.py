@@ -341,3 +341,13 @@ def test_device_metadata_is_proportional_to_the_cache_not_the_table():
     per_row = device_side_bytes(large.cache) / 64
     # rows + Adam moments (3 x 8 fp32) + ids/counts/last use/index/flags: ~140 bytes per cached row
     assert per_row < 8 * 4 * 3 + 64, per_row
+
+
+def test_load_state_dict_reports_keys_it_does_not_own():
+    trained = cachedemb.CachedEmbeddingBag(20, 3, cache_rows=2, optimizer=optim.Adam(0.1), device="cpu")
+    plain = cachedemb.CachedEmbeddingBag(20, 3, cache_rows=2, device="cpu")
+    result = plain.load_state_dict(trained.state_dict(), strict=False)
+    assert sorted(result.unexpected_keys) == ["optimizer.exp_avg", "optimizer.exp_avg_sq", "optimizer.step"]
+    assert torch.equal(plain.weight, trained.weight)
+    with pytest.raises(RuntimeError, match="junk"):
+        plain.load_state_dict({"weight": torch.zeros(20, 3), "junk": torch.zeros(1)})
