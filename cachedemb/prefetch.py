@@ -106,8 +106,7 @@ class Prefetcher:
         self.trackers: list[NextUseTracker] = []
         self.next_number = 0
         self.window_end = 0
-        self.windows = 0
-        self.window_batches: list[int] = []
+        self.window_batches: list[int] = []  # batches admitted per window start (0: per-batch path)
         self.overlap = overlap  # None: decided by the caches' device (on for CUDA)
         self.current_unions: list[torch.Tensor] | None = None
         self.pending = None  # (start, count, plans, unions) of the next window, planned and in flight
@@ -177,7 +176,6 @@ class Prefetcher:
                     cache.release_window()
         self.window_end = start + max(count, 1)
         self.window_batches.append(count)
-        self.windows += count > 0
         self.current_unions = unions
         if self._overlapping() and count:
             self._plan_next(self.window_end)
