@@ -8,6 +8,14 @@ includes the launcher (sorts, index setup). Prints one JSON object per op.
 
     python scripts/bench_kernels.py --out benchmarks/results/kernels_h100.json
     python scripts/bench_kernels.py --small
+
+`--aot` instead compiles, without a GPU, every kernel variant a representative workload launches (recorded on
+the GPU where there is one, else on CPU under the Triton interpreter; see cachedemb/aot.py) for each `--archs`
+target, and reports per variant and arch its registers, shared memory, stack/local bytes (spills) and the PTX
+global loads/stores, vector ones (v2/v4) counted apart:
+
+    python scripts/bench_kernels.py --aot --out benchmarks/results/kernels_aot_sm90_sm80.json
+    python scripts/bench_kernels.py --aot --variants kernels_aot_h100.json   # compile a GPU's recording here
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -43,7 +52,17 @@ def parse_args(argv=None):
     p.add_argument("--copy-rows", type=int, default=32768, help="rows per row_copy call")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--aot", action="store_true", help="compile the recorded kernel variants for --archs instead")
+    p.add_argument("--archs", type=int, nargs="+", default=[90, 80], help="--aot: compute capabilities")
+    p.add_argument("--aot-dims", type=int, nargs="*", default=[128],
+                   help="--aot: besides the workload tests/test_aot_compile.py records (dims 7 and 129), one "
+                        "more for each dim given (128: rows load as vectors)")
+    p.add_argument("--jobs", type=int, default=2, help="--aot: compile processes")
+    p.add_argument("--variants", help="--aot: compile the variants of an earlier --aot output (e.g. one recorded "
+                                      "on a GPU) instead of recording here")
     args = p.parse_args(argv)
+    if args.aot:
+        return args
     if not torch.cuda.is_available() and not args.small:
         print("bench_kernels: no CUDA, running the CPU references at --small sizes", file=sys.stderr)
         args.small = True
@@ -227,8 +246,74 @@ def run(args):
     return results
 
 
+AOT_FIELDS = ("registers", "shared_bytes", "stack_bytes", "local_bytes", "spill_store_bytes", "spill_load_bytes",
+              "spills", "ld_global", "ld_global_v2", "ld_global_v4", "st_global", "st_global_v2", "st_global_v4",
+              "error")
+
+
+def git_version() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        return subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_aot(args):
+    import triton
+    from triton import knobs
+
+    from cachedemb import aot
+
+    missing = aot.toolchain_missing()
+    if missing:
+        raise SystemExit(f"bench_kernels --aot: {missing}")
+    cuda = torch.cuda.is_available()
+    t0 = time.perf_counter()
+    if args.variants:
+        with open(args.variants) as f:
+            earlier = json.load(f)
+        variants = [aot.KernelVariant.from_json(v) for v in earlier["variants"]]
+        em = earlier["meta"]
+        recorded = {"recorded_on": em["recorded_on"], "workloads": em["workloads"],
+                    "recorded_with": f"torch {em['torch']}, triton {em['triton']}, git {em['git']}"}
+    else:
+        workloads = [{"dims": list(aot.WORKLOAD_DIMS), "steps": 2}] + [{"dims": [d], "steps": 2} for d in args.aot_dims]
+        variants = list(dict.fromkeys(v for w in workloads for v in aot.record_library_launches(**w)))
+        recorded = {"recorded_on": torch.cuda.get_device_name() if cuda else "cpu (TRITON_INTERPRET=1)",
+                    "workloads": workloads}
+    t1 = time.perf_counter()
+    rows = aot.compile_variants(variants, args.archs, jobs=args.jobs)
+    t2 = time.perf_counter()
+    meta = {**recorded, "compiled_on": f"{platform.machine()}, {os.cpu_count()} cpus, "
+                                       f"{'CUDA' if cuda else 'no GPU'}",
+            "git": git_version(), "torch": torch.__version__, "triton": triton.__version__,
+            "ptxas": knobs.nvidia.ptxas.version, "archs": [f"sm_{a}" for a in args.archs],
+            "variants": len(variants), "record_s": round(t1 - t0, 1), "compile_s": round(t2 - t1, 1)}
+    print(json.dumps({"meta": meta}), flush=True)
+    results = []
+    for r in rows:
+        row = {"kernel": r["kernel"], "arch": r["arch"], "label": r["label"],
+               "constexprs": r["variant"]["constexprs"], "options": r["variant"]["options"]}
+        row.update({k: r[k] for k in AOT_FIELDS if k in r})
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:  # one result / variant a line: diffs stay readable
+            lines = lambda items: ",\n  ".join(json.dumps(x) for x in items)
+            f.write(f'{{"meta": {json.dumps(meta)},\n "results": [\n  {lines(results)}],\n '
+                    f'"variants": [\n  {lines(v.to_json() for v in variants)}]}}\n')
+    return results
+
+
 def main(argv=None):
-    run(parse_args(argv))
+    args = parse_args(argv)
+    if args.aot:
+        run_aot(args)
+    else:
+        run(args)
 
 
 if __name__ == "__main__":
