@@ -3,7 +3,6 @@
 The index is two [C] tensors: `keys` (resident ids ascending, empty slots as INT64_MAX at the end) and `slots`
 (the slot holding each key). Device memory is O(cache rows), not O(table rows); a lookup is a binary search.
 """
-from __future__ import annotations
 
 import torch
 import triton
@@ -41,7 +40,7 @@ def slot_lookup_kernel(p_keys, p_slots, p_query, n_ptr, o_slot, B, C, N_ITERS: t
         b_key = tl.load(p_keys + b_mid, mask=m_i & m_open, other=0)
         m_right = m_open & (b_key < b_q)
         b_lo = tl.where(m_right, b_mid + 1, b_lo)
-        b_hi = tl.where(m_open & ~m_right, b_mid, b_hi)
+        b_hi = tl.where(m_open & (b_key >= b_q), b_mid, b_hi)  # not ~m_right: no ~ on masks before triton 3.4
     b_pos = tl.minimum(b_lo, C - 1)
     b_key = tl.load(p_keys + b_pos, mask=m_i, other=0)
     m_hit = m_i & (o_i < n) & (b_q >= 0) & (b_key == b_q)
@@ -57,10 +56,12 @@ def slot_lookup_triton(keys: torch.Tensor, slots: torch.Tensor, query: torch.Ten
     if not torch.is_tensor(n_query):
         n_query = torch.full((1,), int(n_query), dtype=torch.int64, device=query.device)
     out = torch.empty(query.shape, dtype=torch.promote_types(slots.dtype, query.dtype), device=query.device)
-    BLOCK = min(1024 if query.device.type == "cuda" else 4096, triton.next_power_of_2(B))
+    # >= 16 lanes: Triton's interpreter before 3.3 ignores the mask of a one-element store
+    BLOCK = min(1024 if query.device.type == "cuda" else 4096, max(16, triton.next_power_of_2(B)))
     n_iters = capacity.bit_length()  # == ceil(log2(capacity + 1))
     slot_lookup_kernel[(triton.cdiv(B, BLOCK),)](
-        keys.contiguous(), slots.contiguous(), query.contiguous(), n_query.reshape(1).to(torch.int64), out, B, capacity, N_ITERS=n_iters, BLOCK=BLOCK)
+        keys.contiguous(), slots.contiguous(), query.contiguous(), n_query.reshape(1).to(torch.int64), out, B,
+        capacity, N_ITERS=n_iters, BLOCK=BLOCK)
     return out
 
 

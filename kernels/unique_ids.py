@@ -4,7 +4,6 @@ Shapes for a batch of B lookups: `uniq [B]` (the n unique ids ascending, then -1
 position in `uniq`; -1 for a padding lookup), `counts [B]` (occurrences; 0 past n), `n_uniq [1]` on the ids'
 device. Fixed capacity keeps the GPU path free of host syncs: nothing downstream needs n on the host.
 """
-from __future__ import annotations
 
 import torch
 import triton
@@ -87,7 +86,8 @@ def unique_ids_triton(ids: torch.Tensor, padding_idx: int | None = None):
     head = torch.empty(B, dtype=torch.int64, device=dev)
     has_pad = padding_idx is not None
     pad = int(padding_idx) if has_pad else 0
-    BLOCK = min(1024 if dev.type == "cuda" else 4096, triton.next_power_of_2(B))
+    # >= 16 lanes: Triton's interpreter before 3.3 ignores the mask of a one-element store
+    BLOCK = min(1024 if dev.type == "cuda" else 4096, max(16, triton.next_power_of_2(B)))
     grid = (triton.cdiv(B, BLOCK),)
     unique_heads_kernel[grid](s_ids, head, B, pad, HAS_PAD=has_pad, BLOCK=BLOCK)
     pos = torch.cumsum(head, 0)

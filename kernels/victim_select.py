@@ -3,7 +3,6 @@
 Scores are int64 and distinct (policies fold the slot index into the low bits), so the choice is deterministic.
 A protected slot carries INT64_MAX; callers take only as many victims as there are unprotected slots.
 """
-from __future__ import annotations
 
 import torch
 import triton
@@ -51,8 +50,12 @@ def radix_hist_kernel(p_score, p_state, o_hist, C, shift, BLOCK: tl.constexpr):
     prefix = tl.load(p_state)
     b_score = tl.load(p_score + o_i, mask=m_i, other=0)
     m_live = m_i & _prefix_match(b_score, prefix, shift)
-    b_hist = tl.histogram(_radix_digit(b_score, shift), 256, mask=m_live)
-    tl.atomic_add(o_hist + tl.arange(0, 256), b_hist.to(tl.int64), sem="relaxed")
+    # no `mask=` (triton < 3.4 lacks it): dead lanes are counted in bin 0, then taken out of it
+    b_digit = tl.where(m_live, _radix_digit(b_score, shift), 0)
+    n_dead = BLOCK - tl.sum(m_live.to(tl.int32), 0)
+    o_bin = tl.arange(0, 256)
+    b_hist = tl.histogram(b_digit, 256) - tl.where(o_bin == 0, n_dead, 0)
+    tl.atomic_add(o_hist + o_bin, b_hist.to(tl.int64), sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["shift"])
@@ -113,7 +116,9 @@ def victim_select_triton(score: torch.Tensor, k: int):
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=dev)
     score = score.reshape(-1).to(torch.int64).contiguous()
-    BLOCK = min(1024 if dev.type == "cuda" else 8192, triton.next_power_of_2(C))
+    # >= 16 lanes: Triton's interpreter ignores the mask of a one-element store before 3.3, and returns a tuple
+    # from a one-element tl.cumsum before 3.4
+    BLOCK = min(1024 if dev.type == "cuda" else 8192, max(16, triton.next_power_of_2(C)))
     n_blocks = triton.cdiv(C, BLOCK)
     state = torch.zeros(2, dtype=torch.int64, device=dev)  # [prefix of the k-th smallest score, rank left]
     state[1:].fill_(k)
