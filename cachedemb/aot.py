@@ -451,7 +451,7 @@ def record_library_launches(**workload) -> list[KernelVariant]:
         with LaunchRecorder() as rec:
             library_workload("cuda", **workload)
         return rec.variants
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CACHEDEMB_BACKEND": "triton"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CACHEDEMB_BACKEND": "triton", "CACHEDEMB_GPU_SHAPES": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "variants.json"

@@ -2,18 +2,22 @@
 
 Host side (pinned when CUDA exists): the full table, the optimizer state of every row, and every id's access
 count. Device side, all O(cache rows): the cached rows and their optimizer state, slot -> id, per-slot count,
-last use and dirty bit, and a sorted id index for lookups. Past the C cache slots sit `spill` slots: when a
-batch's unique ids cannot all be resident at once, the rest are served through the spill slots for that batch
-and written back before the next one, so a batch of any size gives the exact result.
+last use and dirty bit, and a sorted id index for lookups.
+
+When a batch's unique ids cannot all be resident at once (more misses than free slots, e.g. while a prefetch
+window protects most slots), the rest are served straight from the host table through pinned memory: the
+forward reads those rows there and the fused optimizer updates them (and their state) there, in place, so a
+batch of any size gives the exact result and device memory never grows with the batch (FBGEMM serves its cache
+misses from UVM the same way). Only training through autograd on `cache_weight` (optimizer=None) needs every
+row in a device slot: there the overflow goes to `spill` slots past the C cache slots, sized exactly (one host
+read of the count), and written back before the next batch.
 
 Every per-batch step works on fixed-capacity buffers with device-side counts, so on CUDA no step needs a host
-sync. On CPU the counts are read on the host (free there) to skip work.
+sync. On CPU the counts are read on the host (free there) to skip work, except in the sync-free mode
+(`CACHEDEMB_SYNC_FREE=1`), where CPU tensors follow the CUDA rules exactly.
 """
 from __future__ import annotations
 
-import ctypes
-import mmap
-import sys
 import time
 from dataclasses import dataclass
 
@@ -21,11 +25,14 @@ import torch
 from torch import nn
 
 from cachedemb import kernels
+from cachedemb.host_memory import host_empty
 from cachedemb.kernels import EMPTY_KEY
+from cachedemb.kernels.dispatch import host_loc
 from cachedemb.policy import Policy, SlotView, resolve
+from cachedemb.sync_mode import counts_on_host
 
 STAT_NAMES = ("lookups", "unique", "hits", "misses", "evictions", "rows_in", "rows_out", "windows",
-              "window_rows_in")
+              "window_rows_in", "host_rows", "invalid_ids", "invalid_offsets")
 _STAT = {name: i for i, name in enumerate(STAT_NAMES)}
 
 
@@ -70,29 +77,14 @@ class WindowPlan:
 
 
 def pinned_empty(shape, dtype) -> torch.Tensor:
-    """Host memory the GPU can DMA from (and address directly); without CUDA, plain memory backed by huge pages
-    where the kernel allows it (random row access over a multi-GB table is otherwise TLB-bound)."""
-    pinned = torch.cuda.is_available()
-    t = torch.empty(shape, dtype=dtype, pin_memory=pinned)
-    if not pinned:
-        advise_huge_pages(t)
-    return t
+    """Host memory of exactly this size, registered with CUDA (DMA and zero-copy access) when CUDA exists."""
+    return host_empty(shape, dtype, pinned=torch.cuda.is_available())
 
 
-def advise_huge_pages(t: torch.Tensor) -> None:
-    """madvise(MADV_HUGEPAGE) on a fresh (untouched) host tensor; a no-op where unsupported."""
-    size = t.numel() * t.element_size()
-    if size < (64 << 20) or not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        page = mmap.PAGESIZE
-        start = (t.data_ptr() + page - 1) // page * page
-        end = (t.data_ptr() + size) // page * page
-        if end > start:
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
-    except (OSError, AttributeError):
-        return  # huge pages only speed things up; plain pages are correct
+def pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    out = host_empty(t.shape, t.dtype, pinned=True)
+    out.copy_(t)
+    return out
 
 
 class EmbeddingCache:
@@ -137,8 +129,10 @@ class EmbeddingCache:
         self.freq_halflife = freq_halflife
         self.train_batches = 0
         self._pending = None  # CUDA event of a window transfer still running on a side stream
+        # Forwards the prefetch pipeline announced as its window's (all hits); any other forward while a window
+        # transfer is in flight waits for it, since the rows it serves from the host may be in transit.
+        self.window_forwards_left = 0
         self.table_starts = self.table_ranks = None  # set_tables(): per-table ranks for the policies
-        self._stat_index: dict[tuple, torch.Tensor] = {}
 
     # ----------------------------------------------------------------- device buffers
     def _allocate(self, slots: int) -> None:
@@ -194,20 +188,27 @@ class EmbeddingCache:
         return self.total_slots
 
     def _on_host(self, count: torch.Tensor, upper: int) -> int:
-        """A device count as a host int where that costs no sync (CPU); else its static upper bound."""
-        if count.device.type == "cpu":
+        """A device count as a host int where that costs no sync (CPU, outside the sync-free mode); else its
+        static upper bound."""
+        if counts_on_host(count.device):
             return int(count)
         return upper
 
-    def _bump_stats(self, **values: torch.Tensor) -> None:
-        keys = tuple(values)
-        idx = self._stat_index.get(keys)
-        if idx is None or idx.device != self.device:
-            # Built once per key set: a host->device copy per batch would be a sync on CUDA.
-            idx = torch.tensor([_STAT[k] for k in keys], device=self.device)
-            self._stat_index[keys] = idx
-        vals = torch.stack([v.reshape(()).to(torch.int64) for v in values.values()])
-        self.stats.index_add_(0, idx, vals)
+    def bump_stats(self, **values: torch.Tensor) -> None:
+        """Add [1] device counts to the counters, on the device (no host copy of an index: that would sync)."""
+        for key, value in values.items():
+            i = _STAT[key]
+            self.stats[i:i + 1].add_(value.reshape(1).to(torch.int64))
+
+
+    def device_bytes(self) -> int:
+        """Bytes this cache holds on its device: rows, optimizer state, slot metadata, index, counters (and spill
+        slots, if any). Per-batch buffers are transient: O(lookups) ids and O(distinct ids) rows."""
+        tensors = [self.rows.data, self.slot_ids, self.slot_freq, self.slot_last_use, self.dirty, self.next_use,
+                   self.protected, self.index_keys, self.index_slots, self.stats, self.history]
+        tensors += list(self.states.values())
+        tensors += [t for t in (self.table_starts, self.table_ranks) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     # ----------------------------------------------------------------- row movement
     def _row_tensors(self):
@@ -254,34 +255,42 @@ class EmbeddingCache:
             return
         spill_slots = torch.arange(self.capacity, self.total_slots, device=self.device)
         written = self._write_back(spill_slots, self.spill_capacity)
-        self._bump_stats(rows_out=written)
+        self.bump_stats(rows_out=written)
         self.slot_ids[self.capacity:self.total_slots] = -1
         self.dirty[self.capacity:self.total_slots] = False
 
     # ----------------------------------------------------------------- per-batch planning
-    def prepare(self, ids: torch.Tensor, padding_idx: int | None = None, train: bool = True) -> BatchPlan:
-        """Make every id of the batch addressable on the device; returns where each unique id sits.
+    def prepare(self, ids: torch.Tensor, padding_idx: int | None = None, train: bool = True,
+                grad_rows: bool = False) -> BatchPlan:
+        """Make every id of the batch addressable; returns where each unique id sits.
 
         Hits stay where they are (protected for this batch); misses take the policy's victims, and those that
-        cannot fit go to spill slots. Counts and recency are updated only when `train`.
+        cannot fit are served from the host table (or, with `grad_rows` — autograd needs every row in a device
+        slot — from spill slots). Counts and recency are updated only when `train`.
         """
         start = time.perf_counter()
         ids = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
         n_lookups = ids.numel()
         self._flush_spill()
+        self._wait_for_window_rows()
         self.generation += 1
         self.batch_counter += 1
         uniq, inverse, counts, n_uniq = kernels.unique_ids(ids, padding_idx)
         # Per-unique buffers: exactly n long on CPU (free to know there), the fixed capacity B on CUDA.
         cap = self._on_host(n_uniq, n_lookups)
         uniq, counts = uniq[:cap], counts[:cap]
-        loc_u, live, n_hit, n_miss, _ = self._place(uniq, n_uniq, self.policy,
-                                                    spill_bound=max(0, n_lookups - self.capacity))
-        self._bump_stats(lookups=(inverse >= 0).sum(), unique=n_uniq, hits=n_hit, misses=n_miss, rows_in=n_miss)
+        loc_u, live, n_hit, n_miss, _ = self._place(uniq, n_uniq, self.policy, spill=grad_rows)
+        self.bump_stats(lookups=(inverse >= 0).sum(), unique=n_uniq, hits=n_hit, misses=n_miss)
         if train:
-            dumped = torch.where(live, loc_u, torch.full_like(loc_u, self.dump))
+            resident = live & (loc_u >= 0)
+            dumped = torch.where(resident, loc_u, torch.full_like(loc_u, self.dump))
             self.slot_freq.index_add_(0, dumped, counts)
             self.slot_last_use.index_fill_(0, dumped, self.batch_counter)
+            # Rows served from the host count there (distinct ids: a plain add).
+            on_host = live & (loc_u < -1)
+            positions = torch.arange(cap, device=self.device)
+            kernels.row_copy(counts, torch.where(on_host, positions, -1), self.host_freq,
+                             torch.where(on_host, kernels.HOST_LOC - loc_u, -1), cap, accumulate=True)
             self.train_batches += 1
             if self.freq_halflife and self.train_batches % self.freq_halflife == 0:
                 self.halve_counts()
@@ -290,6 +299,16 @@ class EmbeddingCache:
         self.history_batches += 1
         self.seconds["prepare"] += time.perf_counter() - start
         return BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation)
+
+    def _wait_for_window_rows(self) -> None:
+        """A forward the prefetch pipeline did not announce, while a window transfer runs on a side stream: its
+        misses may read host rows that the transfer is writing back, so it waits for the transfer."""
+        if self._pending is None:
+            return
+        if self.window_forwards_left > 0:
+            self.window_forwards_left -= 1
+            return
+        torch.cuda.current_stream(self.device).wait_event(self._pending)
 
     def admit_window(self, uniq: torch.Tensor, policy: Policy, next_use: torch.Tensor | None = None,
                      now: int = 0) -> None:
@@ -322,10 +341,9 @@ class EmbeddingCache:
             kernels.row_copy(next_use, self.slot_ids[: self.capacity], absolute, slots, self.capacity)
             self.next_use = torch.where(absolute >= now, absolute - now, torch.full_like(absolute, -1))
         n_uniq = torch.full((1,), n, dtype=torch.int64, device=self.device)
-        loc_u, _, _, n_miss, move = self._place(uniq, n_uniq, policy, spill_bound=0, transfer=False)
-        self._bump_stats(rows_in=n_miss, windows=torch.ones(1, dtype=torch.int64, device=self.device),
-                         window_rows_in=n_miss)
-        self.protected.index_fill_(0, loc_u, True)
+        loc_u, _, _, n_miss, move = self._place(uniq, n_uniq, policy, transfer=False)
+        self.bump_stats(windows=torch.ones(1, dtype=torch.int64, device=self.device), window_rows_in=n_miss)
+        self.protected.index_fill_(0, self._resident_or_dump(loc_u), True)
         self.next_use.fill_(-1)
         self.seconds["admit_window"] += time.perf_counter() - start
         return WindowPlan(loc_u, move)
@@ -357,7 +375,11 @@ class EmbeddingCache:
             if self._pending is plan.done:
                 self._pending = None
         self.protected.zero_()
-        self.protected.index_fill_(0, plan.loc_u, True)
+        self.protected.index_fill_(0, self._resident_or_dump(plan.loc_u), True)
+
+    def _resident_or_dump(self, loc: torch.Tensor) -> torch.Tensor:
+        """Cache slots of `loc`; host locations and -1 go to the trailing dump element."""
+        return torch.where((loc >= 0) & (loc < self.capacity), loc, torch.full_like(loc, self.capacity))
 
     def release_window(self) -> None:
         """Drop window protection (the pipeline ended); rows still in flight are waited for in stream order."""
@@ -366,12 +388,13 @@ class EmbeddingCache:
             self._pending = None
         self.protected.zero_()
 
-    def _place(self, uniq, n_uniq, policy: Policy, spill_bound: int, transfer: bool = True):
+    def _place(self, uniq, n_uniq, policy: Policy, spill: bool = False, transfer: bool = True):
         """Find or admit each of the first n_uniq ids of `uniq`; returns (loc_u, live, n_hit, n_miss, move).
 
-        Protected slots and this set's hits are never victims; misses beyond the free slots go to spill
-        slots (sized exactly on CPU, to `spill_bound` on CUDA). With `transfer=False` the row copies are
-        returned (`move`) instead of done; the slot metadata is updated either way."""
+        Protected slots and this set's hits are never victims; misses beyond the free slots are served from
+        the host (loc = HOST_LOC - id), or with `spill` go to spill slots sized exactly (a host read of the
+        count on CUDA). With `transfer=False` the row copies are returned (`move`) instead of done; the slot
+        metadata is updated either way."""
         dev = self.device
         cap = uniq.numel()
         slot = kernels.slot_lookup(self.index_keys, self.index_slots, uniq, n_uniq)
@@ -387,20 +410,26 @@ class EmbeddingCache:
         n_free = (self.capacity - protected.sum()).reshape(1)
         n_admit = torch.minimum(n_miss, n_free)
         miss_count = self._on_host(n_miss, cap)
-        self._grow_spill(miss_count - int(n_admit) if dev.type == "cpu" else spill_bound)
         k = max(1, min(miss_count, self.capacity))
         view = SlotView(self.slot_ids[: self.capacity], self.slot_freq[: self.capacity],
                         self.slot_last_use[: self.capacity], self.next_use, protected, self._table_rank())
         victims = kernels.victim_select(policy(view), k) if miss_count > 0 else None
 
-        # Rank the misses; rank r < n_admit takes victim r, the rest go to spill slots in order.
+        # Rank the misses; rank r < n_admit takes victim r, the rest are served from the host (or spill slots).
         rank = torch.cumsum(is_miss, 0) - 1
+        if spill:
+            self._grow_spill(int(n_miss - n_admit))  # exact: one host read (autograd needs device rows)
+            overflow = self.capacity + rank - n_admit
+        else:
+            overflow = host_loc(uniq)
         if victims is not None:
             from_victim = victims[rank.clamp(min=0, max=k - 1)]
-            dest = torch.where(rank < n_admit, from_victim, self.capacity + rank - n_admit)
+            dest = torch.where(rank < n_admit, from_victim, overflow)
         else:
             dest = torch.full_like(rank, -1)
         loc_u = torch.where(is_hit, slot, torch.where(is_miss, dest, torch.full_like(slot, -1)))
+        n_host = torch.zeros_like(n_miss) if spill else n_miss - n_admit
+        self.bump_stats(rows_in=n_miss - n_host, host_rows=n_host)
 
         move = None
         if miss_count > 0:
@@ -408,7 +437,8 @@ class EmbeddingCache:
             miss_ids = torch.full((cap + 1,), -1, dtype=torch.int64, device=dev)
             miss_dest = torch.full((cap + 1,), -1, dtype=torch.int64, device=dev)
             miss_ids.index_put_((rank_slot,), uniq)
-            miss_dest.index_put_((rank_slot,), dest)
+            # Host-served misses get no slot (-1): no copy, no metadata.
+            miss_dest.index_put_((rank_slot,), torch.where(dest >= 0, dest, torch.full_like(dest, -1)))
             old_ids = self.slot_ids[victims]
             used = torch.arange(k, device=dev) < n_admit
             dirty_ids = torch.where(self.dirty[victims] & (old_ids >= 0), old_ids, torch.full_like(old_ids, -1))
@@ -422,7 +452,7 @@ class EmbeddingCache:
             # Admission counts as a use for recency (else a row would inherit its victim's last use).
             self._masked_put(self.slot_last_use, miss_dest, torch.full_like(miss_dest, self.batch_counter), n_miss)
             self._rebuild_index()
-            self._bump_stats(evictions=evicted, rows_out=written)
+            self.bump_stats(evictions=evicted, rows_out=written)
         return loc_u, live, n_hit, n_miss, move
 
     def _move_rows(self, move: RowMove) -> None:
@@ -431,7 +461,8 @@ class EmbeddingCache:
         self._fill(move.miss_ids, move.miss_dest, move.n_miss)
 
     def mark_dirty(self, plan: BatchPlan) -> None:
-        live = torch.arange(plan.loc_u.numel(), device=self.device) < plan.n_uniq
+        """The plan's device rows were written (host-served rows were written in place on the host)."""
+        live = (torch.arange(plan.loc_u.numel(), device=self.device) < plan.n_uniq) & (plan.loc_u >= 0)
         self.dirty.index_fill_(0, torch.where(live, plan.loc_u, torch.full_like(plan.loc_u, self.dump)), True)
 
     # ----------------------------------------------------------------- whole-cache operations
@@ -440,7 +471,7 @@ class EmbeddingCache:
         start = time.perf_counter()
         slots = torch.arange(self.total_slots, device=self.device)
         written = self._write_back(slots, self.total_slots)
-        self._bump_stats(rows_out=written)
+        self.bump_stats(rows_out=written)
         self.dirty.zero_()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -503,9 +534,9 @@ class EmbeddingCache:
             return
         self.flush()
         if device.type == "cuda" and not self.host_weight.is_pinned():
-            self.host_weight = self.host_weight.pin_memory()
-            self.host_states = {k: v.pin_memory() for k, v in self.host_states.items()}
-            self.host_freq = self.host_freq.pin_memory()
+            self.host_weight = pinned_copy(self.host_weight)
+            self.host_states = {k: pinned_copy(v) for k, v in self.host_states.items()}
+            self.host_freq = pinned_copy(self.host_freq)
         self.device = device
         self._set_rows(self.rows.data.to(device))
         for name in ("slot_ids", "slot_freq", "slot_last_use", "dirty", "next_use", "protected",

@@ -18,6 +18,7 @@ from cachedemb.cache import pinned_empty
 from cachedemb.embedding_bag import CachedEmbeddingBag
 from cachedemb.optim import SparseOptimizer
 from cachedemb.policy import Policy
+from cachedemb.sync_mode import counts_on_host
 
 try:  # torchrec is optional: KJT input / KeyedTensor output / EmbeddingBagConfig only when installed.
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -26,6 +27,9 @@ except ImportError:  # pragma: no cover - exercised only without torchrec
     EmbeddingBagConfig = PoolingType = JaggedTensor = KeyedJaggedTensor = KeyedTensor = None
 
 _POOLINGS = ("sum", "mean")
+# An unchecked id outside its table becomes this (still negative after the table's row offset is added), which
+# the group's module turns into a padding lookup and counts as invalid.
+_OUT_OF_GROUP = -(1 << 62)
 _STEP = "optimizer.step"
 
 
@@ -272,10 +276,12 @@ class CachedEmbeddingBagCollection(nn.Module):
         values, offsets = kjt.values(), kjt.offsets()
         weights = kjt.weights_or_none() if self.is_weighted_ else None
         out = {}
-        host = offsets.cpu() if offsets.device.type != "cpu" else offsets
+        # torchrec's per-key offsets: host ints its input pipelines fill in (computed, with one sync, only
+        # when a KJT arrives without them).
+        key_offsets = kjt.offset_per_key()
         for i, key in enumerate(kjt.keys()):
-            lo, hi = int(host[i * batch]), int(host[(i + 1) * batch])
-            offs = offsets[i * batch:(i + 1) * batch + 1] - lo
+            lo, hi = key_offsets[i], key_offsets[i + 1]
+            offs = offsets[i * batch:(i + 1) * batch + 1] - offsets[i * batch]
             out[key] = (values[lo:hi], offs, weights[lo:hi] if weights is not None else None)
         return out
 
@@ -298,7 +304,8 @@ class CachedEmbeddingBagCollection(nn.Module):
                     offs = torch.cat([second.new_zeros(1), second.cumsum(0)])
                 else:
                     offs = second
-                    if offs.numel() == 0 or int(offs[0]) != 0 or int(offs[-1]) != values.numel():
+                    if offs.numel() == 0 or (self._check_values(offs) and (
+                            int(offs[0]) != 0 or int(offs[-1]) != values.numel())):
                         raise ValueError(f"feature {key!r}: offsets must have batch + 1 entries from 0 to "
                                          f"len(values)={values.numel()}, got {offs.tolist()[:8]}...; for "
                                          "lengths pass jagged='lengths'")
@@ -315,20 +322,27 @@ class CachedEmbeddingBagCollection(nn.Module):
             out[key] = (values, offs, weights)
         return out
 
+    def _check_values(self, t: torch.Tensor) -> bool:
+        """Whether inputs are checked on the host: when asked, or where it is free (CPU, not sync-free).
+        Unchecked ids are bounds-checked on the device by each group's module (counted as invalid_ids)."""
+        return self.validate_inputs or counts_on_host(t.device)
+
     def _table_ids(self, feature: int, ids: torch.Tensor) -> torch.Tensor:
         """Ids of one feature, hashed or range-checked, as rows of its table."""
         table = self.tables[self._feature_table[feature]]
         ids = ids.to(torch.int64)
         if self.hash_ids:
             return torch.remainder(ids, table.num_embeddings)
-        if self.validate_inputs and ids.numel() > 0:
+        if self._check_values(ids) and ids.numel() > 0:
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= table.num_embeddings:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"feature {self.feature_names[feature]!r} (table {table.name!r}): id {bad} is "
                                  f"out of range [0, {table.num_embeddings}); pass hash_ids=True to fold ids "
                                  "into the table")
-        return ids
+            return ids
+        # Unchecked: an id outside its table must not land in a neighbour's rows of the shared group table.
+        return torch.where((ids < 0) | (ids >= table.num_embeddings), torch.full_like(ids, _OUT_OF_GROUP), ids)
 
     def _jagged_inputs(self, per_feature: dict):
         inputs, batch = [], None
@@ -362,11 +376,13 @@ class CachedEmbeddingBagCollection(nn.Module):
             sizes = getattr(self, f"_sizes_{g}").to(ids.device)
             if self.hash_ids:
                 cols = torch.remainder(cols, sizes)
-            elif self.validate_inputs and cols.numel() > 0:
+            elif self._check_values(cols) and cols.numel() > 0:
                 bad = (cols < 0) | (cols >= sizes)
                 if bool(bad.any()):
                     j = int(torch.nonzero(bad.any(0))[0, 0])
                     self._table_ids(group.features[j], cols[:, j])  # raises, naming the feature and table
+            else:
+                cols = torch.where((cols < 0) | (cols >= sizes), torch.full_like(cols, _OUT_OF_GROUP), cols)
             flat = (cols + getattr(self, f"_row_offsets_{g}").to(ids.device)).t().reshape(-1)
             offsets = torch.arange(flat.numel() + 1, dtype=torch.int64, device=ids.device)
             inputs.append((flat, offsets, None))

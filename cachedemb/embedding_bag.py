@@ -21,9 +21,13 @@ class _PooledLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, owner, plan: BatchPlan, bags: BagInput, rows, psw, anchor):
-        out, max_pos = kernels.pooled_forward(rows, plan.loc_u, plan.inverse, bags.offsets, bags.mode, psw)
+        host_rows = owner.cache.host_weight
+        out, max_pos = kernels.pooled_forward(rows, plan.loc_u, plan.inverse, bags.offsets, bags.mode, psw,
+                                              host_rows)
         ctx.owner, ctx.plan, ctx.bags, ctx.max_pos = owner, plan, bags, max_pos
         ctx.save_for_backward(psw)
+        if bags.lead or bags.trail:
+            out = out[bags.lead: out.shape[0] - bags.trail]  # phantom bags of unvalidated offsets
         return out
 
     @staticmethod
@@ -41,23 +45,27 @@ class _PooledLookup(torch.autograd.Function):
                 "pipeline for the next batch)."
             )
         grad_out = grad_out.contiguous()
+        if bags.lead or bags.trail:
+            dim = grad_out.shape[1]
+            grad_out = torch.cat([grad_out.new_zeros(bags.lead, dim), grad_out, grad_out.new_zeros(bags.trail, dim)])
         rows = cache.rows.data
         grad_psw = None
         if psw is not None and ctx.needs_input_grad[4]:
-            grad_psw = kernels.per_sample_weights_grad(grad_out, rows, plan.loc_u, plan.inverse, bags.offsets)
+            grad_psw = kernels.per_sample_weights_grad(grad_out, rows, plan.loc_u, plan.inverse, bags.offsets,
+                                                       cache.host_weight)
             grad_psw = grad_psw.to(psw.dtype)
         psw_values = psw.detach().reshape(-1) if psw is not None else None
         grad_rows = None
         if owner.optimizer is not None:
             owner.optimizer_step += 1
             rule = owner.optimizer.rule(owner.optimizer_step)
-            states = [cache.states[name] for name in cache.host_states]
-            kernels.backward_update(rows, states, plan.loc_u, plan.n_uniq, grad_out, plan.inverse,
-                                    bags.offsets, bags.mode, psw_values, ctx.max_pos, rule)
+            names = list(cache.host_states)
+            kernels.backward_update(rows, [cache.states[k] for k in names], plan.loc_u, plan.n_uniq, grad_out,
+                                    plan.inverse, bags.offsets, bags.mode, psw_values, ctx.max_pos, rule,
+                                    cache.host_weight, [cache.host_states[k] for k in names])
             cache.mark_dirty(plan)
         elif ctx.needs_input_grad[3]:
-            grad_u = kernels.bag_backward(grad_out, plan.inverse, bags.offsets, bags.mode, psw_values, ctx.max_pos)
-            grad_rows = owner._rows_grad(plan, grad_u)
+            grad_rows = owner._rows_grad(plan, bags, grad_out, psw_values, ctx.max_pos)
         return None, None, None, grad_rows, grad_psw, None
 
 
@@ -206,20 +214,25 @@ class CachedEmbeddingBag(nn.Module):
         bags = normalize_bag_input(input, offsets, per_sample_weights, mode=self.mode,
                                    include_last_offset=self.include_last_offset,
                                    num_embeddings=self.num_embeddings, device=self.cache.device,
-                                   validate=self.validate_inputs)
+                                   validate=self.validate_inputs, padding_idx=self.padding_idx)
+        if bags.invalid_ids is not None:
+            self.cache.bump_stats(invalid_ids=bags.invalid_ids, invalid_offsets=bags.invalid_offsets)
         train = torch.is_grad_enabled()
-        plan = self.cache.prepare(bags.ids, self.padding_idx, train=train and self.training)
-        if train and self.optimizer is None and self.cache_weight.requires_grad:
+        grad_rows = train and self.optimizer is None and self.cache_weight.requires_grad
+        plan = self.cache.prepare(bags.ids, bags.pad_id, train=train and self.training, grad_rows=grad_rows)
+        if grad_rows:
             self.cache.mark_dirty(plan)
         rows = self.cache_weight
         anchor = self._anchor if (train and self.optimizer is not None) else None
         psw = bags.per_sample_weights
         return _PooledLookup.apply(self, plan, bags, rows, psw, anchor)
 
-    def _rows_grad(self, plan: BatchPlan, grad_u: torch.Tensor) -> torch.Tensor:
-        """Gradient of `cache_weight` from per-unique gradients (optimizer=None mode)."""
+    def _rows_grad(self, plan: BatchPlan, bags: BagInput, grad_out, psw, max_pos) -> torch.Tensor:
+        """Gradient of `cache_weight` (optimizer=None mode). Reads the unique count on the host (one sync on
+        CUDA), so the per-unique gradient is [distinct ids, D], never [lookups, D]."""
         rows = self.cache.rows
         n = int(plan.n_uniq)
+        grad_u = kernels.bag_backward(grad_out, plan.inverse, bags.offsets, bags.mode, psw, max_pos, n_rows=n)
         idx = plan.loc_u[:n]
         values = grad_u[:n].to(rows.dtype)
         if self.sparse:
@@ -236,9 +249,10 @@ class CachedEmbeddingBag(nn.Module):
         if not torch.is_tensor(batch):
             raise TypeError(f"cannot find ids in a {type(batch).__name__}: give prefetch(ids=...)")
         ids = batch.reshape(-1)
+        keep = (ids >= 0) & (ids < self.num_embeddings)
         if self.padding_idx is not None:
-            ids = ids[ids != self.padding_idx]
-        return [(self.cache, ids)]
+            keep &= ids != self.padding_idx
+        return [(self.cache, ids[keep])]
 
     # ----------------------------------------------------------------- table access
     def flush(self) -> None:
@@ -262,9 +276,12 @@ class CachedEmbeddingBag(nn.Module):
     def cache_stats(self) -> dict:
         """Counters since the last reset (a host sync on CUDA): lookups, unique (per-batch distinct ids),
         hits + misses (= unique), evictions, rows_in (rows moved host->device, window admissions included),
-        rows_out (dirty rows written back), windows and window_rows_in (prefetch windows), bytes_in/out, and
-        `seconds` (host time in cache operations)."""
+        host_rows (misses served from the host table in place: no free slot), rows_out (dirty rows written back),
+        windows and window_rows_in (prefetch windows), bytes_in/out, invalid_ids / invalid_offsets (unvalidated
+        inputs repaired on the device), `device_bytes` (what the cache holds on its device) and `seconds` (host
+        time in cache operations)."""
         stats = self.cache.stats_dict()
+        stats["device_bytes"] = self.cache.device_bytes()
         stats["seconds"] = self.cache.timing_dict()
         return stats
 

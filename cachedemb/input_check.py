@@ -3,6 +3,12 @@
 Every form (1-D input + offsets, include_last_offset, 2-D input) becomes flat int64 ids and `offsets` with
 bags + 1 entries ending at the number of ids. Value checks (id range, offsets order) read the data: free for
 host tensors; for CUDA tensors they cost one host sync, which `validate=False` skips.
+
+Unvalidated inputs are made safe on the device instead (as FBGEMM's `bounds_check_indices`): ids out of range
+become padding lookups, offsets are clamped into [0, len(input)] and made non-decreasing, and both are counted
+(`invalid_ids`, `invalid_offsets` in the cache stats), so a bad batch is visible, never silent, and nothing is
+read or written outside the tables. Lookups outside every bag (before offsets[0], or past offsets[-1] with
+include_last_offset) are padding too: they sit in phantom bags at either end whose outputs are dropped.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from cachedemb import kernels
+from cachedemb.sync_mode import counts_on_host
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -22,10 +29,15 @@ class BagInput:
     mode: int
     per_sample_weights: torch.Tensor | None  # [B] on the cache device, keeps requires_grad
     psw_shape: tuple  # the caller's per_sample_weights shape, for its gradient
+    pad_id: int | None = None  # the id that marks a padding lookup (padding_idx, or -1 for sanitized ids)
+    lead: int = 0  # phantom bags before the caller's bags (their outputs are dropped)
+    trail: int = 0  # phantom bags after them
+    invalid_ids: torch.Tensor | None = None  # [1] ids turned into padding (unvalidated inputs)
+    invalid_offsets: torch.Tensor | None = None  # [1] offsets clamped
 
     @property
     def num_bags(self) -> int:
-        return self.offsets.numel() - 1
+        return self.offsets.numel() - 1 - self.lead - self.trail
 
 
 def _check_int_tensor(name: str, t) -> None:
@@ -40,9 +52,14 @@ def _first_bad(mask: torch.Tensor) -> int:
 
 
 def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, include_last_offset: bool,
-                        num_embeddings: int, device: torch.device, validate: bool = True) -> BagInput:
+                        num_embeddings: int, device: torch.device, validate: bool = True,
+                        padding_idx: int | None = None) -> BagInput:
     _check_int_tensor("input", input)
-    check_values = validate or input.device.type == "cpu"
+    check_values = validate or counts_on_host(input.device)
+    if per_sample_weights is not None:
+        _check_per_sample_weights(per_sample_weights, input, mode)
+    lead = trail = 0
+    bad_offsets = None
     if input.dim() == 2:
         if offsets is not None:
             raise ValueError("if input is 2-D (bags x ids per bag), offsets must be None, "
@@ -61,40 +78,31 @@ def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, includ
         ids = input
         n = input.numel()
         offs = offsets.to(torch.int64)
-        if check_values and offs.numel() > 0:
-            host = offs.cpu()
-            if int(host[0]) != 0:
-                raise ValueError(f"offsets[0] must be 0 (the first bag starts at position 0), got {int(host[0])}")
-            steps = host[1:] - host[:-1]
-            if bool((steps < 0).any()):
-                i = _first_bad(steps < 0)
-                raise ValueError(f"offsets must be non-decreasing, got offsets[{i}]={int(host[i])} > "
-                                 f"offsets[{i + 1}]={int(host[i + 1])}")
-            if int(host[-1]) > n:
-                raise ValueError(f"offsets[-1] must be <= len(input)={n}, got {int(host[-1])}")
-            if include_last_offset and int(host[-1]) < n:
-                ids = input[: int(host[-1])]
-        offs = offs.to(device)
-        if include_last_offset:
-            full = offs
+        if check_values:
+            if offs.numel() > 0:
+                _check_offsets(offs.cpu(), n)
+                if include_last_offset and int(offs[-1]) < n:
+                    ids = input[: int(offs[-1])]
+            offs = offs.to(device)
+            full = offs if include_last_offset else torch.cat(
+                [offs, torch.full((1,), n, dtype=torch.int64, device=device)])
         else:
-            full = torch.cat([offs, torch.full((1,), n, dtype=torch.int64, device=device)])
+            # Device-side repair, no host read: phantom bags [0, offsets[0]) and, with include_last_offset,
+            # [offsets[-1], n) hold the lookups outside every bag (made padding below).
+            offs = offs.to(device)
+            fixed = torch.cummax(offs.clamp(0, n), 0).values
+            bad_offsets = (fixed != offs).sum().reshape(1)
+            zero = torch.zeros(1, dtype=torch.int64, device=device)
+            end = torch.full((1,), n, dtype=torch.int64, device=device)
+            full = torch.cat([zero, fixed, end])
+            lead, trail = 1, int(include_last_offset)
     else:
         raise ValueError(f"input must be 1-D (with offsets) or 2-D, got {input.dim()}-D shape {tuple(input.shape)}")
 
-    psw = None
-    psw_shape = ()
+    psw, psw_shape = None, ()
     if per_sample_weights is not None:
-        if not torch.is_tensor(per_sample_weights) or not per_sample_weights.is_floating_point():
-            raise TypeError("per_sample_weights must be a floating-point tensor, got "
-                            f"{getattr(per_sample_weights, 'dtype', type(per_sample_weights).__name__)}")
-        if mode != "sum":
-            raise ValueError(f"per_sample_weights is only supported for mode='sum', got mode={mode!r}")
-        if tuple(per_sample_weights.shape) != tuple(input.shape):
-            raise ValueError(f"per_sample_weights must have the input's shape {tuple(input.shape)}, "
-                             f"got {tuple(per_sample_weights.shape)}")
         psw_shape = tuple(per_sample_weights.shape)
-        psw = per_sample_weights.reshape(-1)[: ids.numel()].to(device)
+        psw = per_sample_weights.reshape(-1)[: ids.numel()].to(device).contiguous()
 
     if check_values and ids.numel() > 0:
         bad = (ids < 0) | (ids >= num_embeddings)
@@ -102,5 +110,43 @@ def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, includ
             i = _first_bad(bad)
             raise IndexError(f"input id {int(ids.reshape(-1)[i])} at position {i} is out of range: ids must be "
                              f"in [0, {num_embeddings})")
-    ids = ids.reshape(-1).to(device=device, dtype=torch.int64)
-    return BagInput(ids, full, kernels.MODES[mode], psw, psw_shape)
+    ids = ids.reshape(-1).to(device=device, dtype=torch.int64).contiguous()
+    full = full.contiguous()
+    if check_values:
+        return BagInput(ids, full, kernels.MODES[mode], psw, psw_shape, pad_id=padding_idx)
+    # Unvalidated: out-of-range ids and lookups outside every bag become padding, counted on the device.
+    pad_id = padding_idx if padding_idx is not None else -1
+    out_of_range = (ids < 0) | (ids >= num_embeddings)
+    position = torch.arange(ids.numel(), device=device)
+    outside = position < full[lead]
+    if trail:
+        outside |= position >= full[-1 - trail]
+    ids = torch.where(out_of_range | outside, torch.full_like(ids, pad_id), ids)
+    invalid = (out_of_range & ~outside).sum().reshape(1)
+    if bad_offsets is None:
+        bad_offsets = torch.zeros(1, dtype=torch.int64, device=device)
+    return BagInput(ids, full, kernels.MODES[mode], psw, psw_shape, pad_id=pad_id, lead=lead, trail=trail,
+                    invalid_ids=invalid, invalid_offsets=bad_offsets)
+
+
+def _check_per_sample_weights(per_sample_weights, input, mode: str) -> None:
+    if not torch.is_tensor(per_sample_weights) or not per_sample_weights.is_floating_point():
+        raise TypeError("per_sample_weights must be a floating-point tensor, got "
+                        f"{getattr(per_sample_weights, 'dtype', type(per_sample_weights).__name__)}")
+    if mode != "sum":
+        raise ValueError(f"per_sample_weights is only supported for mode='sum', got mode={mode!r}")
+    if tuple(per_sample_weights.shape) != tuple(input.shape):
+        raise ValueError(f"per_sample_weights must have the input's shape {tuple(input.shape)}, "
+                         f"got {tuple(per_sample_weights.shape)}")
+
+
+def _check_offsets(host: torch.Tensor, n: int) -> None:
+    if int(host[0]) != 0:
+        raise ValueError(f"offsets[0] must be 0 (the first bag starts at position 0), got {int(host[0])}")
+    steps = host[1:] - host[:-1]
+    if bool((steps < 0).any()):
+        i = _first_bad(steps < 0)
+        raise ValueError(f"offsets must be non-decreasing, got offsets[{i}]={int(host[i])} > "
+                         f"offsets[{i + 1}]={int(host[i + 1])}")
+    if int(host[-1]) > n:
+        raise ValueError(f"offsets[-1] must be <= len(input)={n}, got {int(host[-1])}")

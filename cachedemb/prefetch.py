@@ -26,8 +26,11 @@ starts a window — so the previous batch's backward has been issued):
 Hazards this rules out (each is tested): a row an in-flight batch needs being evicted (it is protected); the
 backward of batch i racing the admission for later batches (the side stream waits for it; victims exclude
 both windows); a batch keeping slot locations a later admission changed (the module's generation check
-refuses such a backward rather than corrupting rows). A window too large even for one batch is not admitted:
-that batch goes through the module's own per-batch path (spill slots), so the result is the same either way.
+refuses such a backward rather than corrupting rows); a forward of other ids inside the loop (an eval batch)
+reading a host row that the side stream is still writing back (the first forward per cache after a batch is
+yielded is taken as that batch's, all hits; any further one waits for the transfer). A window too large even
+for one batch is not admitted: that batch goes through the module's own per-batch path (misses beyond the free
+slots served from the host), so the result is the same either way.
 The ids a batch is read with must be the ids its forward looks up (the default extraction guarantees it).
 """
 from __future__ import annotations
@@ -222,6 +225,10 @@ class Prefetcher:
                 number, batch, uniq = self.buffer[0]
                 if number >= self.window_end:
                     self._start_window(number)
+                # This batch's forward (one per cache) is all hits; any other forward meanwhile (an eval batch)
+                # waits for an in-flight window transfer before it serves rows from the host.
+                for cache in self.caches:
+                    cache.window_forwards_left = 1
                 yield batch
                 # The consumer asked for the next batch: this one's forward and backward are done.
                 self.buffer.popleft()
@@ -230,6 +237,7 @@ class Prefetcher:
                 self._read_one()
         finally:
             for cache in self.caches or []:
+                cache.window_forwards_left = 0
                 cache.release_window()
 
 

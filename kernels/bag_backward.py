@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import backend_for
-from .pooled_forward import MODE_MAX, MODE_MEAN, MODE_SUM, lookup_rows_of
+from .dispatch import backend_for, gpu_shapes, on_device
+from .pooled_forward import MODE_MAX, MODE_MEAN, MODE_SUM, lookup_rows_of, with_host_rows
 
 
 def bag_of_lookup(offsets: torch.Tensor, n_lookups: int) -> torch.Tensor:
@@ -21,16 +21,21 @@ def bag_of_lookup(offsets: torch.Tensor, n_lookups: int) -> torch.Tensor:
     return torch.repeat_interleave(bags, lengths, output_size=n_lookups)
 
 
-def lookup_scale(inverse, offsets, mode: int, per_sample_weights=None) -> torch.Tensor:
-    """Per-lookup factor on grad_out[bag] for sum/mean ([B] fp32; 0 for padding lookups)."""
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype of the references: fp64 for fp64 inputs, else fp32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def lookup_scale(inverse, offsets, mode: int, per_sample_weights=None, dtype=torch.float32) -> torch.Tensor:
+    """Per-lookup factor on grad_out[bag] for sum/mean ([B] `dtype`; 0 for padding lookups)."""
     n_lookups = inverse.numel()
-    valid = (inverse >= 0).float()
+    valid = (inverse >= 0).to(dtype)
     if mode == MODE_MEAN:
         bag = bag_of_lookup(offsets, n_lookups)
-        count = torch.zeros(offsets.numel() - 1, device=inverse.device).index_add_(0, bag, valid)
+        count = torch.zeros(offsets.numel() - 1, device=inverse.device, dtype=dtype).index_add_(0, bag, valid)
         return valid / count.clamp(min=1)[bag]
     if per_sample_weights is not None:
-        return valid * per_sample_weights.float()
+        return valid * per_sample_weights.to(dtype)
     return valid
 
 
@@ -38,8 +43,9 @@ def bag_backward_torch(grad_out, inverse, offsets, mode: int, per_sample_weights
     """Reference segment reduction: returns grad_u [B, D] fp32 (capacity B = lookups)."""
     n_lookups = inverse.numel()
     dim = grad_out.shape[1]
-    grad_out = grad_out.float()
-    grad_u = torch.zeros(n_lookups, dim, dtype=torch.float32, device=grad_out.device)
+    acc = _acc_dtype(grad_out)
+    grad_out = grad_out.to(acc)
+    grad_u = torch.zeros(n_lookups, dim, dtype=acc, device=grad_out.device)
     if mode == MODE_MAX:
         if max_pos is None:
             raise ValueError("max mode needs max_pos from the forward")
@@ -50,7 +56,7 @@ def bag_backward_torch(grad_out, inverse, offsets, mode: int, per_sample_weights
         grad_u.view(-1).index_add_(0, flat, torch.where(has, grad_out, 0.0).reshape(-1))
         return grad_u
     bag = bag_of_lookup(offsets, n_lookups)
-    scale = lookup_scale(inverse, offsets, mode, per_sample_weights)
+    scale = lookup_scale(inverse, offsets, mode, per_sample_weights, acc)
     contrib = grad_out[bag] * scale.unsqueeze(1)
     grad_u.index_add_(0, inverse.clamp(min=0), contrib)
     return grad_u
@@ -67,8 +73,9 @@ def unique_grad_torch(grad_out, inverse, offsets, mode: int, per_sample_weights=
     n = int((ptr[1:] > ptr[:-1]).sum())
     n_lookups = inverse.numel()
     bag = bag_of_lookup(offsets, n_lookups)[perm]
-    scale = lookup_scale(inverse, offsets, mode, per_sample_weights)[perm]
-    grad_u, _, _, _ = torch.embedding_bag(grad_out.float().contiguous(), bag, ptr[:n], False, MODE_SUM, False,
+    acc = _acc_dtype(grad_out)
+    scale = lookup_scale(inverse, offsets, mode, per_sample_weights, acc)[perm]
+    grad_u, _, _, _ = torch.embedding_bag(grad_out.to(acc).contiguous(), bag, ptr[:n], False, MODE_SUM, False,
                                           scale, False, None)
     return grad_u
 
@@ -86,14 +93,25 @@ def lookup_groups(inverse: torch.Tensor):
 def backward_block_l(device: torch.device) -> int:
     """Lookups reduced per step: 1 keeps the reference's sequential fp32 order (CPU, where the reference is
     sequential too); on the GPU the reference sums in atomic order anyway, so reduce in tiles for bandwidth."""
-    return 1 if device.type == "cpu" else 16
+    return 16 if gpu_shapes(device) else 1
+
+
+def backward_warps(block_l: int, block_d: int) -> int:
+    """Warps for a [block_l, block_d] gradient tile: at 16 x 128 four warps left row-wise Adagrad and max-mode
+    Adagrad a few bytes of register spill (sm_80/sm_90); eight hold 8 fp32 elements per thread."""
+    if block_l == 1:
+        return 1
+    return 8 if block_l * block_d >= 2048 else 4
 
 
 @triton.jit
 def segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D,
                  MODE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
-    """fp32 gradient [BLOCK_D] of one unique id: the sum over its lookups perm[bos:eos] (lookup order)."""
+    """fp32 gradient [BLOCK_D] of one unique id: the sum over its lookups perm[bos:eos] (lookup order).
+    BLOCK_L == 1 (CPU) adds in the reference's sequential order; tiles (GPU) are tree-reduced and accumulated
+    with Kahan compensation, so a hot id's 10^5 lookups do not lose precision to one long running sum."""
     b_g = tl.zeros([BLOCK_D], dtype=tl.float32)
+    b_c = tl.zeros([BLOCK_D], dtype=tl.float32)
     for k in range(bos, eos, BLOCK_L):
         o_k = k + tl.arange(0, BLOCK_L).to(tl.int64)
         m_k = o_k < eos
@@ -108,7 +126,13 @@ def segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D,
             b_go = tl.where(b_mp == b_i[:, None], b_go, 0.0)
         else:
             b_go = b_go * tl.load(scale + b_i, mask=m_k, other=0.0)[:, None]
-        b_g += tl.sum(b_go, axis=0)
+        if BLOCK_L > 1:
+            b_y = tl.sum(b_go, axis=0) - b_c
+            b_t = b_g + b_y
+            b_c = (b_t - b_g) - b_y
+            b_g = b_t
+        else:
+            b_g += tl.sum(b_go, axis=0)
     return b_g
 
 
@@ -145,37 +169,99 @@ def backward_inputs(grad_out, inverse, offsets, mode: int, per_sample_weights, m
     return perm, ptr, bag, scale, (max_pos if mode == MODE_MAX else grad_out)
 
 
-def _bag_backward_triton(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, block_l=None):
+def _bag_backward_triton(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, block_l=None,
+                         n_rows=None):
     n_lookups, dim = inverse.numel(), grad_out.shape[1]
-    grad_u = torch.empty(n_lookups, dim, dtype=torch.float32, device=grad_out.device)
-    if n_lookups == 0:
-        return grad_u
+    n_rows = n_lookups if n_rows is None else n_rows
+    grad_u = torch.empty(n_rows, dim, dtype=torch.float32, device=grad_out.device)
+    if n_rows == 0 or n_lookups == 0:
+        return grad_u.zero_()
     grad_out = grad_out.contiguous()
     perm, ptr, bag, scale, max_pos = backward_inputs(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
     block_l = block_l or backward_block_l(grad_out.device)
     block_d = min(triton.next_power_of_2(dim), 128)
-    grid = (n_lookups, triton.cdiv(dim, block_d))
-    bag_backward_kernel[grid](grad_out, perm, ptr, bag, scale, max_pos.contiguous(), grad_u, dim,
-                              MODE=mode, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4 if block_l > 1 else 1)
+    grid = (n_rows, triton.cdiv(dim, block_d))
+    with on_device(grad_out):
+        bag_backward_kernel[grid](grad_out, perm, ptr, bag, scale, max_pos.contiguous(), grad_u, dim,
+                                  MODE=mode, BLOCK_L=block_l, BLOCK_D=block_d,
+                                  num_warps=backward_warps(block_l, block_d))
     return grad_u
 
 
-def bag_backward_triton(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None):
+def bag_backward_triton(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None,
+                        n_rows=None):
     """Triton path of bag_backward: one program per (unique position, D-block) sums its lookups' gradients
-    (grouped by a sort, no atomics); positions past the unique count have no lookups and get 0."""
-    return _bag_backward_triton(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
+    (grouped by a sort, no atomics); positions past the unique count have no lookups and get 0. `n_rows`
+    (the unique count, when known) bounds the output to [n_rows, D] instead of [lookups, D]."""
+    return _bag_backward_triton(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, n_rows=n_rows)
 
 
-def bag_backward(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None):
+def bag_backward(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None, n_rows=None):
+    """grad_u [n_rows or B, D] fp32 (see module docstring)."""
     if backend_for(grad_out.device) == "triton":
-        return bag_backward_triton(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
-    return bag_backward_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
+        return bag_backward_triton(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, n_rows)
+    grad_u = bag_backward_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
+    return grad_u if n_rows is None else grad_u[:n_rows]
 
 
-def per_sample_weights_grad(grad_out, rows, loc_u, inverse, offsets):
-    """d loss / d per_sample_weights (sum mode): <grad_out[bag], row of the lookup>; 0 for padding lookups."""
+def per_sample_weights_grad_torch(grad_out, rows, loc_u, inverse, offsets, host_rows=None):
+    """Reference: d loss / d per_sample_weights (sum mode) = <grad_out[bag], row of the lookup>; 0 for padding
+    lookups. Gathers a [lookups, D] intermediate (the Triton path does not)."""
+    rows, loc_u = with_host_rows(rows, loc_u, host_rows)
     n_lookups = inverse.numel()
     bag = bag_of_lookup(offsets, n_lookups)
     lookup_rows = rows.index_select(0, lookup_rows_of(loc_u, inverse)).float()
     dots = (grad_out.float()[bag] * lookup_rows).sum(1)
     return torch.where(inverse >= 0, dots, 0.0)
+
+
+@triton.jit
+def psw_grad_kernel(grad_out, rows, host_rows, loc_u, inverse, bag, out, B, D,
+                    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[i] = <grad_out[bag[i]], row of lookup i> for BLOCK_L lookups; rows at host locations are read from
+    the host table. Only [B] floats are written: no [B, D] intermediate."""
+    o_l = tl.program_id(0).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L).to(tl.int64)
+    m_l = o_l < B
+    b_u = tl.load(inverse + o_l, mask=m_l, other=-1)
+    m_v = m_l & (b_u >= 0)
+    b_r = tl.load(loc_u + tl.maximum(b_u, 0), mask=m_v, other=0).to(tl.int64)
+    m_h = m_v & (b_r <= -2)
+    m_c = m_v & (b_r > -2)
+    b_b = tl.load(bag + o_l, mask=m_v, other=0)
+    b_acc = tl.zeros([BLOCK_L], dtype=tl.float32)
+    for i_d in range(0, tl.cdiv(D, BLOCK_D)):
+        o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
+        m_d = o_d < D
+        b_go = tl.load(grad_out + b_b[:, None] * D + o_d[None, :], mask=m_v[:, None] & m_d[None, :], other=0.0)
+        b_xc = tl.load(rows + tl.maximum(b_r, 0)[:, None] * D + o_d[None, :], mask=m_c[:, None] & m_d[None, :],
+                       other=0.0)
+        b_xh = tl.load(host_rows + tl.maximum(-2 - b_r, 0)[:, None] * D + o_d[None, :],
+                       mask=m_h[:, None] & m_d[None, :], other=0.0)
+        b_x = tl.where(m_h[:, None], b_xh.to(tl.float32), b_xc.to(tl.float32))
+        b_acc += tl.sum(b_go.to(tl.float32) * b_x, axis=1)
+    tl.store(out + o_l, b_acc, mask=m_l)
+
+
+def per_sample_weights_grad_triton(grad_out, rows, loc_u, inverse, offsets, host_rows=None):
+    n_lookups, dim = inverse.numel(), rows.shape[1]
+    out = torch.empty(n_lookups, dtype=torch.float32, device=grad_out.device)
+    if n_lookups == 0:
+        return out
+    bag = bag_of_lookup(offsets, n_lookups)
+    host = host_rows if host_rows is not None else rows
+    # 32 x 32 tiles on the GPU: at 64 x 64 the three fp32 tiles need 255 registers and spill (sm_80/sm_90).
+    gpu = gpu_shapes(grad_out.device)
+    block_d = min(triton.next_power_of_2(dim), 32 if gpu else 64)
+    block_l = 32 if gpu else min(1024, triton.next_power_of_2(n_lookups))
+    with on_device(grad_out):
+        psw_grad_kernel[(triton.cdiv(n_lookups, block_l),)](
+            grad_out.contiguous(), rows.contiguous(), host, loc_u.contiguous(), inverse.contiguous(), bag, out,
+            n_lookups, dim, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def per_sample_weights_grad(grad_out, rows, loc_u, inverse, offsets, host_rows=None):
+    """d loss / d per_sample_weights (sum mode): <grad_out[bag], row of the lookup>; 0 for padding lookups."""
+    if backend_for(grad_out.device) == "triton":
+        return per_sample_weights_grad_triton(grad_out, rows, loc_u, inverse, offsets, host_rows)
+    return per_sample_weights_grad_torch(grad_out, rows, loc_u, inverse, offsets, host_rows)

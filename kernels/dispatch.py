@@ -5,6 +5,7 @@ on CPU tensors needs `TRITON_INTERPRET=1` set before triton is first imported.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -37,3 +38,23 @@ def backend_for(device: torch.device) -> str:
     if device.type == "cuda" and triton_available():
         return "triton"
     return "torch"
+
+
+def on_device(t: torch.Tensor):
+    """The launch context for a kernel over `t`: Triton launches on the *current* CUDA device, so a module on
+    cuda:1 must make cuda:1 current for its launches (one GPU per torchrun rank)."""
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def host_loc(ids: torch.Tensor) -> torch.Tensor:
+    """The location code of rows served straight from the host table (see HOST_LOC in pooled_forward)."""
+    return -2 - ids
+
+
+def gpu_shapes(device: torch.device) -> bool:
+    """Whether launchers pick their GPU block shapes: on CUDA, or on CPU with `CACHEDEMB_GPU_SHAPES=1` (the AOT
+    compile check records the variants a GPU runs without one; under the interpreter CPU launches otherwise use
+    few, large programs)."""
+    return device.type == "cuda" or os.environ.get("CACHEDEMB_GPU_SHAPES", "") == "1"

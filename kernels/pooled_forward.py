@@ -13,10 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import backend_for
+from .dispatch import backend_for, on_device
 
 MODE_SUM, MODE_MEAN, MODE_MAX = 0, 1, 2
 MODES = {"sum": MODE_SUM, "mean": MODE_MEAN, "max": MODE_MAX}
+# Row locations: >= 0 a cache slot; -1 none (padding, or past the live unique ids); <= HOST_LOC the host-table
+# row HOST_LOC - loc, read (and, in the fused backward, updated) in place through pinned memory: misses that
+# find no free cache slot are served that way, so no device buffer ever grows with the batch.
+HOST_LOC = -2
 
 
 def lookup_rows_of(loc_u: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
@@ -27,20 +31,37 @@ def lookup_rows_of(loc_u: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     return loc_u[inverse.clamp(min=0)].clamp(min=0)
 
 
-def pooled_forward_torch(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None):
+def with_host_rows(rows, loc_u, host_rows):
+    """Reference helper: (table, loc) where rows served from the host (loc <= -2, see HOST_LOC) are appended
+    to the cache rows, so the reference ops index one table. Reads the locations on the host."""
+    if host_rows is None or loc_u.numel() == 0:
+        return rows, loc_u
+    on_host = loc_u <= HOST_LOC
+    if not bool(on_host.any()):
+        return rows, loc_u
+    host_ids = (HOST_LOC - loc_u[on_host]).to(host_rows.device)
+    extra = host_rows.index_select(0, host_ids).to(device=rows.device, dtype=rows.dtype)
+    remapped = loc_u.clone()
+    remapped[on_host] = rows.shape[0] + torch.arange(extra.shape[0], device=loc_u.device)
+    return torch.cat([rows, extra]), remapped
+
+
+def pooled_forward_torch(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None, host_rows=None):
     """Reference: torch.embedding_bag on the rows each lookup reads. fp32 sum/mean read the cache rows in
     place (padding lookups get weight 0, and mean becomes a weighted sum); max and half precision gather the
     lookups' rows (in fp32) and pool them with an appended zero pad row."""
-    if mode != MODE_MAX and rows.dtype == torch.float32:
+    rows, loc_u = with_host_rows(rows, loc_u, host_rows)
+    if mode != MODE_MAX and rows.dtype in (torch.float32, torch.float64):
         return _pooled_in_place(rows, loc_u, inverse, offsets, mode, per_sample_weights), None
     n_lookups = inverse.numel()
     valid = inverse >= 0
     lookup_rows = lookup_rows_of(loc_u, inverse)
-    gathered = rows.index_select(0, lookup_rows.to(rows.device)).float()
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    gathered = rows.index_select(0, lookup_rows.to(rows.device)).to(acc)
     table = torch.cat([gathered, gathered.new_zeros(1, rows.shape[1])])
     positions = torch.arange(n_lookups, device=inverse.device)
     idx = torch.where(valid, positions, torch.full_like(positions, n_lookups)).to(rows.device)
-    psw = per_sample_weights.float() if per_sample_weights is not None else None
+    psw = per_sample_weights.to(acc) if per_sample_weights is not None else None
     out, _, bag_size, max_idx = torch.embedding_bag(
         table, idx, offsets[:-1].to(rows.device), False, mode, False, psw, False, n_lookups
     )
@@ -57,16 +78,17 @@ def _pooled_in_place(rows, loc_u, inverse, offsets, mode, per_sample_weights):
     valid = inverse >= 0
     starts = offsets[:-1]
     if bool(valid.all()):
-        psw = per_sample_weights.float() if per_sample_weights is not None else None
+        psw = per_sample_weights.to(rows.dtype) if per_sample_weights is not None else None
         return torch.embedding_bag(rows, idx, starts, False, mode, False, psw, False, None)[0]
-    weight = valid.float()
+    weight = valid.to(rows.dtype)
     if per_sample_weights is not None:
-        weight = weight * per_sample_weights.float()
+        weight = weight * per_sample_weights.to(rows.dtype)
     if mode == MODE_MEAN:
         lengths = offsets[1:] - offsets[:-1]
         bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths,
                                       output_size=inverse.numel())
-        count = torch.zeros(lengths.numel(), device=offsets.device).index_add_(0, bag, valid.float())
+        count = torch.zeros(lengths.numel(), device=offsets.device, dtype=rows.dtype).index_add_(
+            0, bag, valid.to(rows.dtype))
         weight = weight / count.clamp(min=1)[bag]
     return torch.embedding_bag(rows, idx, starts, False, MODE_SUM, False, weight, False, None)[0]
 
@@ -86,6 +108,7 @@ def cast_to(b_x, dtype: tl.constexpr, SOFT_RTNE: tl.constexpr):
 @triton.jit
 def pooled_forward_kernel(
     rows,  # [R, D] cache rows
+    host_rows,  # [N, D] host table (pinned; rows at loc <= -2), same dtype
     loc_u,  # [U] int64 row of each unique id
     inverse,  # [B] int64 unique position of each lookup, -1 = padding
     offsets,  # [n_bags + 1] int64
@@ -97,32 +120,36 @@ def pooled_forward_kernel(
     MODE: tl.constexpr,
     HAS_PSW: tl.constexpr,
     SOFT_RTNE: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     i_b, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
     m_d = o_d < D
     bos, eos = tl.load(offsets + i_b).to(tl.int64), tl.load(offsets + i_b + 1).to(tl.int64)
-    b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_D], dtype=ACC)
     b_pos = tl.full([BLOCK_D], -1, dtype=tl.int64)
     n_valid = tl.full([], 0, dtype=tl.int32)
-    # sequential in lookup order: the same fp32 sum order as torch.embedding_bag
+    # sequential in lookup order: the same sum order as torch.embedding_bag
     for i in range(bos, eos):
         i_u = tl.load(inverse + i)
-        valid = i_u >= 0
-        i_r = tl.load(loc_u + tl.maximum(i_u, 0), mask=valid, other=0).to(tl.int64)
-        b_x = tl.load(rows + i_r * D + o_d, mask=m_d & valid, other=0.0).to(tl.float32)
-        if MODE == 2:
-            # first maximal lookup wins (strict >), the bag's first valid lookup always seeds
-            m_upd = valid & ((n_valid == 0) | (b_x > b_acc))
-            b_acc = tl.where(m_upd, b_x, b_acc)
-            b_pos = tl.where(m_upd, i, b_pos)
-        else:
-            if HAS_PSW:
-                b_x = b_x * tl.load(psw + i).to(tl.float32)
-            b_acc = tl.where(valid, b_acc + b_x, b_acc)
-        n_valid += valid.to(tl.int32)
+        if i_u >= 0:
+            i_r = tl.load(loc_u + i_u).to(tl.int64)
+            p_row = rows + i_r * D
+            if i_r <= -2:
+                p_row = host_rows + (-2 - i_r) * D
+            b_x = tl.load(p_row + o_d, mask=m_d, other=0.0).to(ACC)
+            if MODE == 2:
+                # first maximal lookup wins (strict >), the bag's first valid lookup always seeds
+                m_upd = (n_valid == 0) | (b_x > b_acc)
+                b_acc = tl.where(m_upd, b_x, b_acc)
+                b_pos = tl.where(m_upd, i, b_pos)
+            else:
+                if HAS_PSW:
+                    b_x = b_x * tl.load(psw + i).to(ACC)
+                b_acc = b_acc + b_x
+            n_valid += 1
     if MODE == 1:
-        b_acc = tl.math.div_rn(b_acc, tl.maximum(n_valid, 1).to(tl.float32))  # IEEE division, as torch
+        b_acc = tl.math.div_rn(b_acc, tl.maximum(n_valid, 1).to(ACC))  # IEEE division, as torch
     p_out = out + i_b * D + o_d
     tl.store(p_out, cast_to(b_acc, p_out.dtype.element_ty, SOFT_RTNE), mask=m_d)
     if MODE == 2:
@@ -133,8 +160,9 @@ def _forward_block_d(dim: int) -> int:
     return min(triton.next_power_of_2(dim), 128)
 
 
-def pooled_forward_triton(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None):
-    """Triton path of pooled_forward: one program per (bag, D-block) reading rows[loc_u[inverse[i]]] in place."""
+def pooled_forward_triton(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None, host_rows=None):
+    """Triton path of pooled_forward: one program per (bag, D-block) reading rows[loc_u[inverse[i]]] in place
+    (or the host row for a host location)."""
     n_bags, dim = offsets.numel() - 1, rows.shape[1]
     rows = rows.contiguous()
     out = torch.empty(n_bags, dim, dtype=rows.dtype, device=rows.device)
@@ -142,18 +170,24 @@ def pooled_forward_triton(rows, loc_u, inverse, offsets, mode: int, per_sample_w
     if n_bags == 0:
         return out, max_pos
     has_psw = per_sample_weights is not None and mode == MODE_SUM
+    psw = per_sample_weights.contiguous() if has_psw else inverse
+    host = host_rows if host_rows is not None else rows
+    if host.dtype != rows.dtype or not host.is_contiguous():
+        raise ValueError(f"host rows must be a contiguous {rows.dtype} table, got {host.dtype}")
     block_d = _forward_block_d(dim)
     grid = (n_bags, triton.cdiv(dim, block_d))
-    pooled_forward_kernel[grid](
-        rows, loc_u, inverse, offsets, per_sample_weights if has_psw else inverse, out,
-        max_pos if max_pos is not None else out, dim,
-        BLOCK_D=block_d, MODE=mode, HAS_PSW=has_psw,
-        SOFT_RTNE=rows.device.type == "cpu", num_warps=max(1, min(4, block_d // 128)),
-    )
+    with on_device(rows):
+        pooled_forward_kernel[grid](
+            rows, host, loc_u.contiguous(), inverse.contiguous(), offsets.contiguous(), psw, out,
+            max_pos if max_pos is not None else out, dim,
+            BLOCK_D=block_d, MODE=mode, HAS_PSW=has_psw, SOFT_RTNE=rows.device.type == "cpu",
+            ACC=tl.float64 if rows.dtype == torch.float64 else tl.float32,
+            num_warps=max(1, min(4, block_d // 128)),
+        )
     return out, max_pos
 
 
-def pooled_forward(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None):
+def pooled_forward(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None, host_rows=None):
     if backend_for(rows.device) == "triton":
-        return pooled_forward_triton(rows, loc_u, inverse, offsets, mode, per_sample_weights)
-    return pooled_forward_torch(rows, loc_u, inverse, offsets, mode, per_sample_weights)
+        return pooled_forward_triton(rows, loc_u, inverse, offsets, mode, per_sample_weights, host_rows)
+    return pooled_forward_torch(rows, loc_u, inverse, offsets, mode, per_sample_weights, host_rows)

@@ -1,8 +1,10 @@
 """Row gather/scatter between the host table and the device cache (admission and write-back).
 
-One op serves both directions: `dst[dst_idx[i]] = src[src_idx[i]]` for i < n where both indices are >= 0.
-A negative index skips the row (a clean victim, an unused buffer position), so callers pass fixed-capacity
-buffers with a device-side count and never compact on the host. 1-D tensors are treated as [R, 1].
+One op serves both directions: `dst[dst_idx[i]] = src[src_idx[i]]` for i < n where both indices are >= 0
+(`accumulate=True`: `+=`, for counts; the destinations must then be distinct). A negative index skips the row
+(a clean victim, an unused buffer position), so callers pass fixed-capacity buffers with a device-side count
+and never compact on the host; an index past the end of its tensor is skipped too, so no index can write or
+read outside the tables. 1-D tensors are treated as [R, 1].
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import backend_for
+from .dispatch import backend_for, gpu_shapes
 
 ROW_COPY_MODES = ("zero_copy", "staged")
 
@@ -31,22 +33,26 @@ def row_copy_mode() -> str:
     return value
 
 
-def row_copy_torch(src, src_idx, dst, dst_idx, n):
+def row_copy_torch(src, src_idx, dst, dst_idx, n, accumulate: bool = False):
     """Reference: boolean selection then index_copy (syncs on the host; fine for a reference)."""
     src2, dst2 = _as_rows(src), _as_rows(dst)
-    m = min(int(n), src_idx.numel())
-    s, d = src_idx[:m], dst_idx[:m]
-    sel = (s >= 0) & (d >= 0)
+    m = min(int(n), src_idx.numel(), dst_idx.numel())
+    s, d = src_idx[:m], dst_idx[:m].to(src_idx.device)
+    sel = (s >= 0) & (d >= 0) & (s < src2.shape[0]) & (d < dst2.shape[0])
     s, d = s[sel], d[sel]
     if s.numel() == 0:
         return
-    rows = src2.index_select(0, s.to(src2.device))
-    dst2.index_copy_(0, d.to(dst2.device), rows.to(device=dst2.device, dtype=dst2.dtype))
+    rows = src2.index_select(0, s.to(src2.device)).to(device=dst2.device, dtype=dst2.dtype)
+    if accumulate:
+        dst2.index_add_(0, d.to(dst2.device), rows)
+    else:
+        dst2.index_copy_(0, d.to(dst2.device), rows)
 
 
-@triton.jit(do_not_specialize=["n_cap"])
-def row_copy_kernel(p_src, p_src_idx, p_dst, p_dst_idx, n_ptr, n_cap, D, s_src_r, s_src_d, s_dst_r, s_dst_d,
-                    N_FROM_PTR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+@triton.jit(do_not_specialize=["n_cap", "R_src", "R_dst"])
+def row_copy_kernel(p_src, p_src_idx, p_dst, p_dst_idx, n_ptr, n_cap, R_src, R_dst, D, s_src_r, s_src_d, s_dst_r,
+                    s_dst_d, N_FROM_PTR: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
     """A [BLOCK_R, BLOCK_D] tile of copy pairs: dst[dst_idx[i], d] = src[src_idx[i], d] for i < n, both idx >= 0.
     n is min(*n_ptr, n_cap) with N_FROM_PTR, else n_cap. Either side may be pinned host memory (UVA)."""
     i_r, i_d = tl.program_id(0), tl.program_id(1)
@@ -57,13 +63,16 @@ def row_copy_kernel(p_src, p_src_idx, p_dst, p_dst_idx, n_ptr, n_cap, D, s_src_r
         m_r = m_r & (o_r < tl.load(n_ptr))
     b_s = tl.load(p_src_idx + o_r, mask=m_r, other=-1).to(tl.int64)
     b_t = tl.load(p_dst_idx + o_r, mask=m_r, other=-1).to(tl.int64)
-    m_r = m_r & (b_s >= 0) & (b_t >= 0)
+    m_r = m_r & (b_s >= 0) & (b_t >= 0) & (b_s < R_src) & (b_t < R_dst)
     m = m_r[:, None] & (o_d < D)[None, :]
-    b_x = tl.load(p_src + b_s[:, None] * s_src_r + o_d[None, :] * s_src_d, mask=m)
-    tl.store(p_dst + b_t[:, None] * s_dst_r + o_d[None, :] * s_dst_d, b_x.to(p_dst.dtype.element_ty), mask=m)
+    b_x = tl.load(p_src + b_s[:, None] * s_src_r + o_d[None, :] * s_src_d, mask=m).to(p_dst.dtype.element_ty)
+    p_out = p_dst + b_t[:, None] * s_dst_r + o_d[None, :] * s_dst_d
+    if ACCUMULATE:
+        b_x = b_x + tl.load(p_out, mask=m)
+    tl.store(p_out, b_x, mask=m)
 
 
-def row_copy_triton(src, src_idx, dst, dst_idx, n):
+def row_copy_triton(src, src_idx, dst, dst_idx, n, accumulate: bool = False):
     """Same effect as `row_copy_torch`, no host sync when n is a device tensor. For host<->cuda copies the host
     side must be pinned (zero-copy); with `CACHEDEMB_ROW_COPY=staged` or an unpinned host side this goes through
     `row_copy_staged` instead."""
@@ -73,7 +82,7 @@ def row_copy_triton(src, src_idx, dst, dst_idx, n):
     if src2.device.type != dst2.device.type:
         host = src if src2.device.type == "cpu" else dst
         if row_copy_mode() == "staged" or not host.is_pinned():
-            return row_copy_staged(src, src_idx, dst, dst_idx, n)
+            return row_copy_staged(src, src_idx, dst, dst_idx, n, accumulate)
     cuda = next((t.device for t in (src2, dst2, src_idx) if t.device.type == "cuda"), None)
     n_cap = min(src_idx.numel(), dst_idx.numel())
     if torch.is_tensor(n) and not (cuda is not None and n.device.type == "cpu"):
@@ -85,7 +94,7 @@ def row_copy_triton(src, src_idx, dst, dst_idx, n):
         return
     if cuda is not None:
         src_idx, dst_idx, n_ptr = (t if t.is_cuda or t.is_pinned() else t.to(cuda) for t in (src_idx, dst_idx, n_ptr))
-    if cuda is not None:
+    if cuda is not None or gpu_shapes(src2.device):
         BLOCK_D = min(triton.next_power_of_2(D), 256)
         BLOCK_R = max(1, 2048 // BLOCK_D)
     else:  # the interpreter: few, large programs
@@ -93,8 +102,9 @@ def row_copy_triton(src, src_idx, dst, dst_idx, n):
         BLOCK_R = min(max(1, 16384 // BLOCK_D), triton.next_power_of_2(n_cap))
     grid = (triton.cdiv(n_cap, BLOCK_R), triton.cdiv(D, BLOCK_D))
     with torch.cuda.device(cuda) if cuda is not None else contextlib.nullcontext():
-        row_copy_kernel[grid](src2, src_idx, dst2, dst_idx, n_ptr, n_cap, D, src2.stride(0), src2.stride(1),
-                              dst2.stride(0), dst2.stride(1), N_FROM_PTR=from_ptr, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+        row_copy_kernel[grid](src2, src_idx.contiguous(), dst2, dst_idx.contiguous(), n_ptr, n_cap, src2.shape[0],
+                              dst2.shape[0], D, src2.stride(0), src2.stride(1), dst2.stride(0), dst2.stride(1),
+                              N_FROM_PTR=from_ptr, ACCUMULATE=accumulate, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
 
 
 class _StagingBuffer:
@@ -126,7 +136,7 @@ class _StagingBuffer:
 _STAGING = _StagingBuffer()
 
 
-def row_copy_staged(src, src_idx, dst, dst_idx, n):
+def row_copy_staged(src, src_idx, dst, dst_idx, n, accumulate: bool = False):
     """Fallback for host<->cuda copies: the pairs are read on the host (a sync), host rows are gathered into the
     reused staging buffer and copied asynchronously; rows for the host are gathered on the device, staged and
     scattered on the host after the copy lands (a sync). Works for any pair of devices."""
@@ -134,7 +144,7 @@ def row_copy_staged(src, src_idx, dst, dst_idx, n):
     m = max(0, min(int(n), src_idx.numel(), dst_idx.numel()))
     s = src_idx[:m].to("cpu", torch.int64)
     d = dst_idx[:m].to("cpu", torch.int64)
-    sel = (s >= 0) & (d >= 0)
+    sel = (s >= 0) & (d >= 0) & (s < src2.shape[0]) & (d < dst2.shape[0])
     s, d = s[sel], d[sel]
     count, cols = s.numel(), src2.shape[1]
     if count == 0:
@@ -152,12 +162,16 @@ def row_copy_staged(src, src_idx, dst, dst_idx, n):
             staged = _STAGING.get(src2.dtype, count, cols)
             staged.copy_(rows)  # device -> host: waits for the copy, so the host scatter below reads landed rows
             rows = staged
-    dst2.index_copy_(0, d.to(dst2.device), rows.to(device=dst2.device, dtype=dst2.dtype))
+    rows = rows.to(device=dst2.device, dtype=dst2.dtype)
+    if accumulate:
+        dst2.index_add_(0, d.to(dst2.device), rows)
+    else:
+        dst2.index_copy_(0, d.to(dst2.device), rows)
 
 
-def row_copy(src, src_idx, dst, dst_idx, n):
-    """Copy rows src -> dst. `n` is an int or a [1] tensor on the index device."""
+def row_copy(src, src_idx, dst, dst_idx, n, accumulate: bool = False):
+    """Copy rows src -> dst (or add them, `accumulate`). `n` is an int or a [1] tensor on the index device."""
     index_device = src_idx.device
     if backend_for(index_device) == "triton":
-        return row_copy_triton(src, src_idx, dst, dst_idx, n)
-    return row_copy_torch(src, src_idx, dst, dst_idx, n)
+        return row_copy_triton(src, src_idx, dst, dst_idx, n, accumulate)
+    return row_copy_torch(src, src_idx, dst, dst_idx, n, accumulate)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import backend_for
+from .dispatch import backend_for, gpu_shapes, on_device
 
 EMPTY_KEY = torch.iinfo(torch.int64).max
 
@@ -57,7 +57,7 @@ def slot_lookup_triton(keys: torch.Tensor, slots: torch.Tensor, query: torch.Ten
         n_query = torch.full((1,), int(n_query), dtype=torch.int64, device=query.device)
     out = torch.empty(query.shape, dtype=torch.promote_types(slots.dtype, query.dtype), device=query.device)
     # >= 16 lanes: Triton's interpreter before 3.3 ignores the mask of a one-element store
-    BLOCK = min(1024 if query.device.type == "cuda" else 4096, max(16, triton.next_power_of_2(B)))
+    BLOCK = min(1024 if gpu_shapes(query.device) else 4096, max(16, triton.next_power_of_2(B)))
     n_iters = capacity.bit_length()  # == ceil(log2(capacity + 1))
     slot_lookup_kernel[(triton.cdiv(B, BLOCK),)](
         keys.contiguous(), slots.contiguous(), query.contiguous(), n_query.reshape(1).to(torch.int64), out, B,
@@ -67,5 +67,6 @@ def slot_lookup_triton(keys: torch.Tensor, slots: torch.Tensor, query: torch.Ten
 
 def slot_lookup(keys: torch.Tensor, slots: torch.Tensor, query: torch.Tensor, n_query: torch.Tensor):
     if backend_for(query.device) == "triton":
-        return slot_lookup_triton(keys, slots, query, n_query)
+        with on_device(query):
+            return slot_lookup_triton(keys, slots, query, n_query)
     return slot_lookup_torch(keys, slots, query, n_query)

@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .bag_backward import unique_grad_torch, backward_block_l, backward_inputs, bag_backward_torch, segment_grad
-from .dispatch import backend_for
-from .pooled_forward import cast_to
+from .bag_backward import unique_grad_torch, backward_block_l, backward_warps, backward_inputs, bag_backward_torch, segment_grad
+from .dispatch import backend_for, on_device
+from .pooled_forward import HOST_LOC, cast_to
 
 SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM = "sgd", "adagrad", "rowwise_adagrad", "adam"
 RULE_KINDS = (SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM)
@@ -48,36 +48,51 @@ def _live(loc_u, n_uniq):
     return loc_u[:n], n
 
 
-def sparse_update_torch(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
-    """Reference: the torch optimizers' sparse code paths, written out on the gathered rows."""
+def sparse_update_torch(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule, host_rows=None, host_states=None):
+    """Reference: the torch optimizers' sparse code paths, written out on the gathered rows. Rows at host
+    locations (loc <= -2) are updated in the host table and host states."""
     idx, n = _live(loc_u, n_uniq)
     if n == 0:
         return
-    g = grad_u[:n].float()
-    w = rows.index_select(0, idx).float()
+    g = grad_u[:n]
+    on_host = idx <= HOST_LOC
+    if host_rows is None or not bool(on_host.any()):
+        _update_rows(rows, states, idx, g, rule)
+        return
+    _update_rows(rows, states, idx[~on_host], g[~on_host], rule)
+    host_idx = (HOST_LOC - idx[on_host]).to(host_rows.device)
+    _update_rows(host_rows, list(host_states), host_idx, g[on_host].to(host_rows.device), rule)
+
+
+def _update_rows(rows, states, idx, g, rule: UpdateRule):
+    if idx.numel() == 0:
+        return
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    g = g.to(acc)
+    w = rows.index_select(0, idx).to(acc)
     if rule.kind == SGD:
         w.add_(g, alpha=-rule.lr)
     elif rule.kind == ADAGRAD:
-        (acc,) = states
-        s = acc.index_select(0, idx)
+        (st,) = states
+        s = st.index_select(0, idx).to(acc)
         s.add_(g.pow(2))
         std = s.sqrt().add_(rule.eps)
         w.add_(g / std, alpha=-rule.lr)
-        acc.index_copy_(0, idx, s)
+        st.index_copy_(0, idx, s.to(st.dtype))
     elif rule.kind == ROWWISE_ADAGRAD:
-        (acc,) = states
-        s = acc.index_select(0, idx)
+        (st,) = states
+        s = st.index_select(0, idx).to(acc)
         s.add_(g.pow(2).mean(1, keepdim=True))
         w.addcdiv_(g, s.sqrt().add_(rule.eps), value=-rule.lr)
-        acc.index_copy_(0, idx, s)
+        st.index_copy_(0, idx, s.to(st.dtype))
     else:
         exp_avg, exp_avg_sq = states
-        m_old = exp_avg.index_select(0, idx)
-        v_old = exp_avg_sq.index_select(0, idx)
+        m_old = exp_avg.index_select(0, idx).to(acc)
+        v_old = exp_avg_sq.index_select(0, idx).to(acc)
         m_upd = g.sub(m_old).mul_(1 - rule.beta1)
         v_upd = g.pow(2).sub_(v_old).mul_(1 - rule.beta2)
-        exp_avg.index_copy_(0, idx, m_old + m_upd)
-        exp_avg_sq.index_copy_(0, idx, v_old + v_upd)
+        exp_avg.index_copy_(0, idx, (m_old + m_upd).to(exp_avg.dtype))
+        exp_avg_sq.index_copy_(0, idx, (v_old + v_upd).to(exp_avg_sq.dtype))
         numer = m_upd.add_(m_old)
         denom = v_upd.add_(v_old).sqrt_().add_(rule.eps)
         w.add_(numer.div_(denom).mul_(-rule.step_size))
@@ -161,6 +176,9 @@ def backward_update_kernel(
     rows,  # [R, D] updated in place
     s0,  # first state ([R, D] or [R, 1] fp32), or a dummy
     s1,  # second state (Adam), or a dummy
+    host_rows,  # [N, D] host table: rows at host locations (loc <= -2) are updated there, in place
+    h0,  # host first state (or the same dummy kind as s0)
+    h1,  # host second state
     loc_u,  # [B] int64 row of each unique id
     n_uniq,  # [1] int64
     grad_out,  # [n_bags, D]
@@ -181,22 +199,28 @@ def backward_update_kernel(
     if i_u >= tl.load(n_uniq):
         return
     i_r = tl.load(loc_u + i_u).to(tl.int64)
+    p_rows, p_s0, p_s1 = rows, s0, s1
+    if i_r <= -2:
+        p_rows, p_s0, p_s1 = host_rows, h0, h1
+        i_r = -2 - i_r
     bos, eos = tl.load(ptr + i_u), tl.load(ptr + i_u + 1)
     b_den = 0.0
     if RULE == 2:
-        # the row's mean of g^2 comes first: reduce every D-block once, then again to update
-        b_sq = tl.full([], 0.0, dtype=tl.float32)
+        # the row's mean of g^2 comes first: reduce every D-block once (summed across blocks element-wise, then
+        # across the lanes), then again to update
+        b_sq = tl.zeros([BLOCK_D], dtype=tl.float32)
         for i_d in range(0, tl.cdiv(D, BLOCK_D)):
             o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
             b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, o_d < D, D,
                                MODE, BLOCK_L, BLOCK_D)
-            b_sq += tl.sum(b_g * b_g)
-        b_den = rowwise_denominator(s0, i_r, b_sq, D, eps)
+            b_sq += b_g * b_g
+        b_den = rowwise_denominator(p_s0, i_r, tl.sum(b_sq), D, eps)
     for i_d in range(0, tl.cdiv(D, BLOCK_D)):
         o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
         m_d = o_d < D
         b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, MODE, BLOCK_L, BLOCK_D)
-        apply_rule(rows, s0, s1, i_r, o_d, m_d, D, b_g, b_den, neg_lr, eps, c1, c2, neg_step, RULE, SOFT_RTNE)
+        apply_rule(p_rows, p_s0, p_s1, i_r, o_d, m_d, D, b_g, b_den, neg_lr, eps, c1, c2, neg_step, RULE,
+                   SOFT_RTNE)
 
 
 def _rule_args(rows, states, rule: UpdateRule):
@@ -210,12 +234,17 @@ def _rule_args(rows, states, rule: UpdateRule):
         raise ValueError("rows must be contiguous (updated in place)")
     s0 = states[0] if len(states) > 0 else rows
     s1 = states[1] if len(states) > 1 else s0
-    scalars = (-rule.lr, rule.eps, 1 - rule.beta1, 1 - rule.beta2, -rule.step_size)
-    return s0, s1, scalars
+    return s0, s1
 
 
-def _update_block_d(dim: int) -> int:
-    return min(triton.next_power_of_2(dim), 128)
+def _scalars(rule: UpdateRule):
+    return (-rule.lr, rule.eps, 1 - rule.beta1, 1 - rule.beta2, -rule.step_size)
+
+
+def _update_block_d(dim: int, block_l: int = 1) -> int:
+    """Columns per pass; with [block_l, D] gradient tiles (GPU) 64, which keeps row-wise Adagrad free of
+    stack use on sm_80."""
+    return min(triton.next_power_of_2(dim), 128 if block_l == 1 else 64)
 
 
 def sparse_update_triton(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
@@ -223,60 +252,70 @@ def sparse_update_triton(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
     capacity, dim = loc_u.numel(), rows.shape[1]
     if capacity == 0:
         return
-    s0, s1, scalars = _rule_args(rows, states, rule)
+    s0, s1 = _rule_args(rows, states, rule)
     block_d = _update_block_d(dim)
-    sparse_update_kernel[(capacity,)](
-        rows, s0, s1, loc_u, grad_u.contiguous(), n_uniq.reshape(1), dim, *scalars,
-        RULE=RULE_IDS[rule.kind], SOFT_RTNE=rows.device.type == "cpu", BLOCK_D=block_d,
-        num_warps=max(1, min(4, block_d // 128)),
-    )
+    with on_device(rows):
+        sparse_update_kernel[(capacity,)](
+            rows, s0, s1, loc_u.contiguous(), grad_u.contiguous(), n_uniq.reshape(1), dim, *_scalars(rule),
+            RULE=RULE_IDS[rule.kind], SOFT_RTNE=rows.device.type == "cpu", BLOCK_D=block_d,
+            num_warps=max(1, min(4, block_d // 128)),
+        )
 
 
 def _backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode, per_sample_weights,
-                            max_pos, rule, block_l=None):
+                            max_pos, rule, block_l=None, host_rows=None, host_states=None):
     capacity, dim = inverse.numel(), rows.shape[1]
     if capacity == 0:
         return
-    s0, s1, scalars = _rule_args(rows, states, rule)
+    s0, s1 = _rule_args(rows, states, rule)
+    if host_rows is None:
+        h_rows, h0, h1 = rows, s0, s1  # no host locations: never read
+    else:
+        h_rows = host_rows
+        h0, h1 = _rule_args(host_rows, list(host_states), rule)
     grad_out = grad_out.contiguous()
     perm, ptr, bag, scale, max_pos = backward_inputs(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
     block_l = block_l or backward_block_l(rows.device)
-    block_d = _update_block_d(dim)
-    backward_update_kernel[(capacity,)](
-        rows, s0, s1, loc_u, n_uniq.reshape(1), grad_out, perm, ptr, bag, scale, max_pos.contiguous(), dim,
-        *scalars, MODE=mode, RULE=RULE_IDS[rule.kind], SOFT_RTNE=rows.device.type == "cpu", BLOCK_L=block_l,
-        BLOCK_D=block_d, num_warps=4 if block_l > 1 else 1,
-    )
+    block_d = _update_block_d(dim, block_l)
+    with on_device(rows):
+        backward_update_kernel[(capacity,)](
+            rows, s0, s1, h_rows, h0, h1, loc_u.contiguous(), n_uniq.reshape(1), grad_out, perm, ptr, bag, scale,
+            max_pos.contiguous(), dim, *_scalars(rule), MODE=mode, RULE=RULE_IDS[rule.kind],
+            SOFT_RTNE=rows.device.type == "cpu", BLOCK_L=block_l, BLOCK_D=block_d,
+            num_warps=backward_warps(block_l, block_d),
+        )
 
 
 def backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode: int,
-                           per_sample_weights, max_pos, rule: UpdateRule):
+                           per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None):
     """Fused Triton path: one program per unique id (grid = capacity B, those past n_uniq exit) sums the
-    gradient of its lookups (grouped by a stable sort, no atomics) and applies the rule to its row in place."""
+    gradient of its lookups (grouped by a stable sort, no atomics) and applies the rule to its row in place:
+    a cache row, or a host row (pinned, through UVA) for a host location."""
     _backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode, per_sample_weights,
-                            max_pos, rule)
+                            max_pos, rule, host_rows=host_rows, host_states=host_states)
 
 
 def sparse_update(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
+    """Update cache rows (no host locations) with per-unique gradients."""
     if backend_for(rows.device) == "triton":
         return sparse_update_triton(rows, states, loc_u, grad_u, n_uniq, rule)
     return sparse_update_torch(rows, states, loc_u, grad_u, n_uniq, rule)
 
 
 def backward_update_torch(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode: int,
-                          per_sample_weights, max_pos, rule: UpdateRule):
+                          per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None):
     """Reference of the fused op: segment reduction (of the live unique ids only), then the update."""
     grad_u = unique_grad_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
-    sparse_update_torch(rows, states, loc_u, grad_u, n_uniq, rule)
+    sparse_update_torch(rows, states, loc_u, grad_u, n_uniq, rule, host_rows, host_states)
 
 
 def backward_update(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode: int,
-                    per_sample_weights, max_pos, rule: UpdateRule):
+                    per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None):
     if backend_for(rows.device) == "triton":
         return backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode,
-                                      per_sample_weights, max_pos, rule)
+                                      per_sample_weights, max_pos, rule, host_rows, host_states)
     return backward_update_torch(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode,
-                                 per_sample_weights, max_pos, rule)
+                                 per_sample_weights, max_pos, rule, host_rows, host_states)
 
 
 def adam_step_size(lr: float, beta1: float, beta2: float, step: int) -> float:

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import backend_for
+from .dispatch import backend_for, gpu_shapes, on_device
 
 PAD_ID = -1
 
@@ -87,7 +87,7 @@ def unique_ids_triton(ids: torch.Tensor, padding_idx: int | None = None):
     has_pad = padding_idx is not None
     pad = int(padding_idx) if has_pad else 0
     # >= 16 lanes: Triton's interpreter before 3.3 ignores the mask of a one-element store
-    BLOCK = min(1024 if dev.type == "cuda" else 4096, max(16, triton.next_power_of_2(B)))
+    BLOCK = min(1024 if gpu_shapes(dev) else 4096, max(16, triton.next_power_of_2(B)))
     grid = (triton.cdiv(B, BLOCK),)
     unique_heads_kernel[grid](s_ids, head, B, pad, HAS_PAD=has_pad, BLOCK=BLOCK)
     pos = torch.cumsum(head, 0)
@@ -97,5 +97,6 @@ def unique_ids_triton(ids: torch.Tensor, padding_idx: int | None = None):
 
 def unique_ids(ids: torch.Tensor, padding_idx: int | None = None):
     if backend_for(ids.device) == "triton":
-        return unique_ids_triton(ids, padding_idx)
+        with on_device(ids):
+            return unique_ids_triton(ids, padding_idx)
     return unique_ids_torch(ids, padding_idx)

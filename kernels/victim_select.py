@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import backend_for
+from .dispatch import backend_for, gpu_shapes, on_device
 
 PROTECTED = torch.iinfo(torch.int64).max
 
@@ -118,7 +118,7 @@ def victim_select_triton(score: torch.Tensor, k: int):
     score = score.reshape(-1).to(torch.int64).contiguous()
     # >= 16 lanes: Triton's interpreter ignores the mask of a one-element store before 3.3, and returns a tuple
     # from a one-element tl.cumsum before 3.4
-    BLOCK = min(1024 if dev.type == "cuda" else 8192, max(16, triton.next_power_of_2(C)))
+    BLOCK = min(1024 if gpu_shapes(dev) else 8192, max(16, triton.next_power_of_2(C)))
     n_blocks = triton.cdiv(C, BLOCK)
     state = torch.zeros(2, dtype=torch.int64, device=dev)  # [prefix of the k-th smallest score, rank left]
     state[1:].fill_(k)
@@ -139,5 +139,6 @@ def victim_select_triton(score: torch.Tensor, k: int):
 
 def victim_select(score: torch.Tensor, k: int):
     if backend_for(score.device) == "triton":
-        return victim_select_triton(score, k)
+        with on_device(score):
+            return victim_select_triton(score, k)
     return victim_select_torch(score, k)

@@ -27,16 +27,21 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_steps(step, batches, warmup, device):
-    for ids in batches[:warmup]:
-        step(ids)
-    sync(device)
+def time_steps(step, batches, warmup, device, source=None):
+    """Per-step wall times after `warmup` steps; `source` (e.g. a prefetch pipeline over `batches`) is iterated
+    instead of the batches, its own work between steps counted in the step that follows."""
     times = []
-    for ids in batches[warmup:]:
-        t0 = time.perf_counter()
+    t0 = None
+    for i, ids in enumerate(source if source is not None else batches):
+        if i == warmup:
+            sync(device)
+            t0 = time.perf_counter()
         step(ids)
-        sync(device)
-        times.append(time.perf_counter() - t0)
+        if i >= warmup:
+            sync(device)
+            t1 = time.perf_counter()
+            times.append(t1 - t0)
+            t0 = t1
     return times
 
 
@@ -51,12 +56,16 @@ def bench_one(num_rows, args, device):
     # table itself; nn.EmbeddingBag its parameter).
     if not args.skip_cached:
         cached = cachedemb.CachedEmbeddingBag(num_rows, args.dim, mode="sum", cache_ratio=args.cache_ratio,
-                                              optimizer=cachedemb.optim.SGD(lr=0.01), device=device)
+                                              optimizer=cachedemb.optim.SGD(lr=0.01), device=device,
+                                              validate_inputs=args.validate)
 
         def cached_step(ids):
             cached(ids.to(device, non_blocking=True), offsets.to(device)).sum().backward()
 
-        t = time_steps(cached_step, batches, args.warmup, device)
+        source = None
+        if args.prefetch:
+            source = cachedemb.prefetch(batches, [cached], depth=args.prefetch, horizon=max(args.prefetch, 16))
+        t = time_steps(cached_step, batches, args.warmup, device, source)
         result["cached_step_s"] = statistics.median(t)
         stats = cached.cache_stats()
         result["cache_rows"] = cached.cache.capacity
@@ -94,6 +103,10 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--prefetch", type=int, default=0, metavar="K",
+                   help="run the cached side through cachedemb.prefetch with depth K (horizon max(K, 16))")
+    p.add_argument("--validate", action="store_true",
+                   help="validate_inputs=True (on CUDA a host sync per step; off by default, as in production)")
     p.add_argument("--skip-reference", action="store_true")
     p.add_argument("--skip-cached", action="store_true", help="time only nn.EmbeddingBag (for whole-process A/B runs)")
     p.add_argument("--out", help="also write the JSON here")

@@ -89,15 +89,17 @@ for row in "${MATRIX[@]}"; do
   [ "$rc" = 0 ] || status=1
   "$env/bin/python" - "$label" "$work/junit-$label.xml" "$install_s" "$test_s" "$rc" "$source_desc" \
     >> "$results" <<'EOF'
-import datetime, json, platform, sys
+import collections, datetime, json, os, platform, re, sys
 import xml.etree.ElementTree as ET
 
 import numpy, torch, triton
 
 label, junit, install_s, test_s, rc, source = sys.argv[1:]
 counts = dict(passed=0, failed=0, skipped=0, errors=0)
-failing = []
-for case in ET.parse(junit).getroot().iter("testcase"):
+failing, sites = [], collections.Counter()
+if not os.path.exists(junit):  # pytest itself died (e.g. a kernel corrupted memory): no per-test figures
+    counts = dict.fromkeys(counts)
+for case in ET.parse(junit).getroot().iter("testcase") if os.path.exists(junit) else ():
     kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), None)
     counts[{"failure": "failed", "error": "errors", "skipped": "skipped", None: "passed"}[kind]] += 1
     if kind in ("failure", "error"):
@@ -105,10 +107,15 @@ for case in ET.parse(junit).getroot().iter("testcase"):
         module = path[:-3].replace("/", ".")
         owner = case.get("classname", "")[len(module) + 1:]
         failing.append("::".join(p for p in (path, owner, case.get("name")) if p))
+        # where it broke: the innermost frame in the library (kernels/, cachedemb/), else the innermost one
+        frames = re.findall(r"^(\S+\.py):(\d+): ", case.find(kind).text or "", re.M)
+        ours = [f for f in frames if "site-packages" not in f[0] and not f[0].startswith(("tests/", "/"))]
+        if frames:
+            sites[":".join((ours or frames)[-1])] += 1
 print(json.dumps(dict(label=label, source=source, date=datetime.date.today().isoformat(), torch=torch.__version__,
                       triton=triton.__version__, numpy=numpy.__version__, python=platform.python_version(),
-                      **counts, seconds=int(test_s),
-                      install_seconds=int(install_s), pytest_exit=int(rc), failing=failing[:30])))
+                      **counts, seconds=int(test_s), install_seconds=int(install_s), pytest_exit=int(rc),
+                      failure_sites=dict(sites.most_common(10)), failing=failing[:30])))
 EOF
   if [ "$keep" = 1 ]; then
     echo "kept $env"

@@ -33,3 +33,14 @@ def has_cuda() -> bool:
 
 def devices():
     return ["cpu"] + (["cuda"] if has_cuda() else [])
+
+
+@pytest.fixture(params=["exact", "sync_free"])
+def sizing_mode(request, monkeypatch):
+    """Run a suite under both sizing rules: `exact` (CPU reads counts on the host) and `sync_free`
+    (CACHEDEMB_SYNC_FREE=1: CPU tensors take the CUDA path's static bounds and device-side counts)."""
+    if request.param == "sync_free":
+        monkeypatch.setenv("CACHEDEMB_SYNC_FREE", "1")
+    else:
+        monkeypatch.delenv("CACHEDEMB_SYNC_FREE", raising=False)
+    return request.param

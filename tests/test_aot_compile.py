@@ -29,6 +29,7 @@ def _device():
 def recording():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CACHEDEMB_BACKEND", "triton")
+        mp.setenv("CACHEDEMB_GPU_SHAPES", "1")  # the block shapes a GPU launches, not the interpreter's
         with aot.LaunchRecorder() as rec:
             aot.library_workload(_device())
     return rec

@@ -12,6 +12,9 @@ from torch import nn
 import cachedemb
 from cachedemb import optim
 
+# Every test here runs under both sizing rules (see conftest.sizing_mode).
+pytestmark = [pytest.mark.usefixtures("sizing_mode")]
+
 
 def resident(emb):
     ids = emb.cache.slot_ids[: emb.cache.capacity]
@@ -117,11 +120,12 @@ def test_stats_arithmetic_and_dirty_only_write_back():
     s = emb.cache_stats()
     assert s["lookups"] == lookups
     assert s["hits"] + s["misses"] == s["unique"]
-    assert s["rows_in"] == s["misses"]
-    assert s["evictions"] <= s["misses"]
+    # Misses beyond the free slots are served from the host table in place; the rest are moved in.
+    assert s["rows_in"] + s["host_rows"] == s["misses"]
+    assert s["evictions"] <= s["rows_in"]
     assert s["bytes_in"] == s["rows_in"] * (4 * 4 + 8)
-    # Every admitted row was trained, so each eviction (and each spill) wrote one dirty row.
-    assert 0 < s["rows_out"] <= s["misses"]
+    # Every admitted row was trained, so each eviction wrote one dirty row.
+    assert 0 < s["rows_out"] <= s["rows_in"]
     emb.reset_cache_stats()
     host_before = emb.weight.clone()
     out_before = emb.cache_stats()["rows_out"]
@@ -201,7 +205,8 @@ def test_from_pretrained_keeps_row_order_and_freezes():
     emb = cachedemb.CachedEmbeddingBag.from_pretrained(table, mode="sum", cache_rows=3)
     ids, offsets = torch.tensor([19, 0, 7, 7, 3]), torch.tensor([0, 2])
     expected = nn.functional.embedding_bag(ids, table, offsets, mode="sum")
-    torch.testing.assert_close(emb(ids, offsets), expected, rtol=0, atol=0)
+    # The cache lives on the default device (CUDA where there is one); the output comes from it.
+    torch.testing.assert_close(emb(ids, offsets).cpu(), expected, rtol=0, atol=0)
     assert not any(p.requires_grad for p in emb.parameters())
     torch.testing.assert_close(emb.weight, table)
     with pytest.raises(ValueError, match="freeze=True"):

@@ -11,6 +11,9 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType  
 from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor  # noqa: E402
 
+# Every test here runs under both sizing rules (see conftest.sizing_mode).
+pytestmark = [pytest.mark.usefixtures("sizing_mode")]
+
 BATCH = 7
 # Two dims, both poolings, a table with two features: three groups (8,sum) (8,mean) (4,sum).
 TABLES = [

@@ -10,6 +10,9 @@ from torch import nn
 
 import cachedemb
 
+# Every test here runs under both sizing rules (see conftest.sizing_mode).
+pytestmark = [pytest.mark.usefixtures("sizing_mode")]
+
 MODES = ["sum", "mean", "max"]
 DIMS = [1, 7, 60, 129]
 

@@ -63,3 +63,65 @@ def test_prefetch_on_gpu_is_exact(overlap):
     (with_pipe, stats), (without, _) = run(True), run(False)
     assert stats["windows"] > 0
     torch.testing.assert_close(with_pipe, without, rtol=1e-5, atol=1e-5)
+
+
+def test_host_tables_are_exact_size_and_registered():
+    """25.6 GB must not pin 32 GB: the host table, states and counts are exact-size, page-locked memory
+    (cudaHostRegister), not blocks of the power-of-two caching host allocator."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    before = stats()["allocated_bytes.current"] if stats else None
+    rows, dim = 3_000_001, 24
+    emb = cachedemb.CachedEmbeddingBag(rows, dim, mode="sum", cache_rows=1000, device="cuda",
+                                       optimizer=optim.Adam(0.01))
+    cache = emb.cache
+    for t, row_bytes in [(cache.host_weight, dim * 4), (cache.host_freq, 8)] + \
+            [(s, dim * 4) for s in cache.host_states.values()]:
+        assert t.is_pinned() and t.device.type == "cpu"
+        assert t.untyped_storage().nbytes() == rows * row_bytes
+    if stats:
+        assert stats()["allocated_bytes.current"] - before < 64 << 20  # nothing table-sized from that allocator
+    ids = torch.randint(0, rows, (4096,), device="cuda")
+    emb(ids, torch.arange(0, 4096, 4, device="cuda")).sum().backward()
+    torch.cuda.synchronize()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_module_on_second_gpu_launches_there():
+    """One GPU per rank: a module on cuda:1 works while cuda:0 is current, and equals the same module on cuda:0."""
+    torch.manual_seed(0)
+    base = torch.randn(5000, 16)
+    outs = []
+    for dev in ("cuda:0", "cuda:1"):
+        emb = cachedemb.CachedEmbeddingBag(5000, 16, mode="mean", cache_rows=64, device=dev,
+                                           optimizer=optim.Adagrad(0.1), _weight=base.clone())
+        with torch.cuda.device(0):
+            for step in range(5):
+                g = torch.Generator().manual_seed(step)
+                ids = torch.randint(0, 5000, (2048,), generator=g).to(dev)
+                emb(ids, torch.arange(0, 2048, 8, device=dev)).sum().backward()
+            outs.append(emb.weight.clone())
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_production_batch_fits_in_device_memory():
+    """A Criteo-1TB-like multi-hot batch: 40M lookups over ~1M distinct ids, a 2M-row cache of dim 128 with
+    Adam. Peak device memory stays O(cache + lookups as ids), never lookups x dim (which alone would be 20 GB)."""
+    rows, dim, cache_rows, lookups = 4_000_000, 128, 2_000_000, 40_000_000
+    emb = cachedemb.CachedEmbeddingBag(rows, dim, mode="sum", cache_rows=cache_rows, device="cuda",
+                                       optimizer=optim.Adam(0.001), validate_inputs=False)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = (torch.rand(lookups, device="cuda", generator=g) ** 8 * rows).long()
+    offsets = torch.arange(0, lookups, 100, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    for _ in range(2):
+        emb(ids, offsets).sum().backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    held = emb.cache_stats()["device_bytes"]
+    distinct = int(torch.unique(ids).numel())
+    print(f"\nproduction batch: {lookups} lookups, {distinct} distinct, cache {held / 2**30:.2f} GiB, "
+          f"transient peak {peak / 2**30:.2f} GiB ({peak / lookups:.0f} B per lookup)")
+    assert peak < 24 * 2**30
+    assert peak < lookups * 400  # a [lookups, 128] fp32 buffer alone would be 512 B per lookup

@@ -8,6 +8,9 @@ import cachedemb
 from cachedemb import optim
 from cachedemb.prefetch import NextUseTracker
 
+# Every test here runs under both sizing rules (see conftest.sizing_mode).
+pytestmark = [pytest.mark.usefixtures("sizing_mode")]
+
 
 def zipf_batches(num, steps, bags=8, bag_len=5, seed=0, alpha=1.1):
     rng = np.random.default_rng(seed)

@@ -7,6 +7,9 @@ from torch import nn
 import cachedemb
 from cachedemb import optim
 
+# Every test here runs under both sizing rules (see conftest.sizing_mode).
+pytestmark = [pytest.mark.usefixtures("sizing_mode")]
+
 NUM, DIM, STEPS, BAGS, BAG_LEN = 4000, 16, 200, 32, 6
 
 

@@ -9,8 +9,9 @@ import test_conformance as conformance
 import test_training as training
 
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
-                                reason="forces Triton onto CPU tensors: needs TRITON_INTERPRET=1")
+pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
+                                 reason="forces Triton onto CPU tensors: needs TRITON_INTERPRET=1"),
+              pytest.mark.usefixtures("sizing_mode")]
 
 
 @pytest.fixture(autouse=True)
