@@ -107,8 +107,10 @@ for case in ET.parse(junit).getroot().iter("testcase") if os.path.exists(junit) 
         module = path[:-3].replace("/", ".")
         owner = case.get("classname", "")[len(module) + 1:]
         failing.append("::".join(p for p in (path, owner, case.get("name")) if p))
-        # where it broke: the innermost frame in the library (kernels/, cachedemb/), else the innermost one
-        frames = re.findall(r"^(\S+\.py):(\d+): ", case.find(kind).text or "", re.M)
+        # where it broke: in the root cause (pytest prints chained exceptions cause first), the innermost frame
+        # in the library (kernels/, cachedemb/), else the innermost one
+        cause = re.split(r"\n(?:The above exception|During handling of the above)", case.find(kind).text or "")[0]
+        frames = re.findall(r"^(\S+\.py):(\d+): ", cause, re.M)
         ours = [f for f in frames if "site-packages" not in f[0] and not f[0].startswith(("tests/", "/"))]
         if frames:
             sites[":".join((ours or frames)[-1])] += 1
