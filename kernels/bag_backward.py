@@ -97,11 +97,11 @@ def backward_block_l(device: torch.device) -> int:
 
 
 def backward_warps(block_l: int, block_d: int) -> int:
-    """Warps for a [block_l, block_d] gradient tile: at 16 x 128 four warps left row-wise Adagrad and max-mode
-    Adagrad a few bytes of register spill (sm_80/sm_90); eight hold 8 fp32 elements per thread."""
+    """Warps for a [block_l, block_d] gradient tile: with four warps, 16 x 128 and 16 x 64 tiles left a few bytes
+    of register spill in row-wise and max-mode Adagrad (sm_80/sm_90, triton 3.6 and 3.7); eight do not."""
     if block_l == 1:
         return 1
-    return 8 if block_l * block_d >= 2048 else 4
+    return 8 if block_l * block_d >= 1024 else 4
 
 
 @triton.jit

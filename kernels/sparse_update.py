@@ -132,8 +132,12 @@ def apply_rule(rows, s0, s1, i_r, o_d, m_d, D, b_g, b_den, neg_lr, eps, c1, c2, 
 
 @triton.jit
 def rowwise_denominator(s0, i_r, b_sq, D, eps):
-    """Row-wise Adagrad: state += mean(g^2) over the row; returns sqrt(state) + eps."""
+    """Row-wise Adagrad: state += mean(g^2) over the row; returns sqrt(state) + eps. Every thread of the program
+    reads the scalar state, and they must all read it before any writes it: without the barrier a warp that
+    ran late read the new state, added mean(g^2) twice and updated its columns of the row with a wrong
+    denominator (seen on an H100 as rare, run-to-run varying rows)."""
     b_s = tl.load(s0 + i_r) + tl.math.div_rn(b_sq, tl.full([], D, dtype=tl.float32))
+    tl.debug_barrier()
     tl.store(s0 + i_r, b_s)
     return tl.math.sqrt_rn(b_s) + eps
 
