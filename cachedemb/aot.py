@@ -259,7 +259,7 @@ def library_workload(device="cpu", dims=WORKLOAD_DIMS, dtypes=("float32", "bfloa
             ids, offsets = batch()
             psw = None
             if mode == "sum" and i % 2 == 0:
-                psw = torch.rand(ids.numel(), generator=gen).to(device).requires_grad_(i % 4 == 0)
+                psw = torch.rand(ids.numel(), generator=gen).to(device=device, dtype=dtype).requires_grad_(i % 4 == 0)
             step(emb, ids, offsets, psw)
     for overlap in (False, True):
         emb = cachedemb.CachedEmbeddingBag(rows, dims[0], mode="sum", cache_rows=4 * cache_rows, device=device,

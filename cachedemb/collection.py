@@ -8,6 +8,7 @@ their table's row offset) concatenated feature-major, one bag per (feature, samp
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -20,11 +21,17 @@ from cachedemb.optim import SparseOptimizer
 from cachedemb.policy import Policy
 from cachedemb.sync_mode import counts_on_host
 
-try:  # torchrec is optional: KJT input / KeyedTensor output / EmbeddingBagConfig only when installed.
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-    from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-except ImportError:  # pragma: no cover - exercised only without torchrec
-    EmbeddingBagConfig = PoolingType = JaggedTensor = KeyedJaggedTensor = KeyedTensor = None
+
+def _torchrec_type(name: str):
+    """A torchrec sparse type, only if torchrec is already imported: importing it costs seconds, and an input
+    can only be a KeyedJaggedTensor / JaggedTensor if the caller imported torchrec to build it."""
+    module = sys.modules.get("torchrec.sparse.jagged_tensor")
+    return getattr(module, name, None) if module is not None else None
+
+
+def _is_torchrec(obj, name: str) -> bool:
+    cls = _torchrec_type(name)
+    return cls is not None and isinstance(obj, cls)
 
 _POOLINGS = ("sum", "mean")
 # An unchecked id outside its table becomes this (still negative after the table's row offset is added), which
@@ -210,8 +217,10 @@ class CachedEmbeddingBagCollection(nn.Module):
     # ----------------------------------------------------------------- torchrec interface
     def embedding_bag_configs(self) -> list:
         """The tables as torchrec `EmbeddingBagConfig`s (so torchrec's DLRM accepts this collection)."""
-        if EmbeddingBagConfig is None:
-            raise RuntimeError("embedding_bag_configs() needs torchrec; install it or use .tables")
+        try:
+            from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+        except ImportError as err:
+            raise RuntimeError("embedding_bag_configs() needs torchrec; install it or use .tables") from err
         pooling = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
         return [EmbeddingBagConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
                                    feature_names=list(t.feature_names), pooling=pooling[t.pooling])
@@ -226,7 +235,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     # ----------------------------------------------------------------- forward
     def forward(self, features, jagged: str = "offsets"):
-        is_kjt = KeyedJaggedTensor is not None and isinstance(features, KeyedJaggedTensor)
+        is_kjt = _is_torchrec(features, "KeyedJaggedTensor")
         batch, inputs = self._group_inputs(features, jagged)
         out: dict[str, torch.Tensor] = {}
         for g, (group, (ids, offsets, psw)) in enumerate(zip(self._groups, inputs)):
@@ -236,7 +245,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         if is_kjt:
             values = torch.cat([out[f] for f in self.feature_names], dim=1)
             dims = [self.tables[t].embedding_dim for t in self._feature_table]
-            return KeyedTensor(keys=list(self.feature_names), length_per_key=dims, values=values)
+            return _torchrec_type("KeyedTensor")(keys=list(self.feature_names), length_per_key=dims, values=values)
         return {f: out[f] for f in self.feature_names}
 
     def prefetch_targets(self, features, jagged: str = "offsets") -> list:
@@ -250,7 +259,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         sample), feature-major, ids shifted into the group's row space."""
         if torch.is_tensor(features):
             return self._dense_inputs(features)
-        if KeyedJaggedTensor is not None and isinstance(features, KeyedJaggedTensor):
+        if _is_torchrec(features, "KeyedJaggedTensor"):
             return self._jagged_inputs(self._split_kjt(features))
         if isinstance(features, Mapping):
             return self._jagged_inputs(self._split_dict(features, jagged))
@@ -292,7 +301,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         out, batch = {}, None
         for key, item in features.items():
             weights = None
-            if JaggedTensor is not None and isinstance(item, JaggedTensor):
+            if _is_torchrec(item, "JaggedTensor"):
                 values, offs = item.values(), item.offsets()
                 weights = item.weights_or_none() if self.is_weighted_ else None
             elif isinstance(item, (tuple, list)) and len(item) in (2, 3):

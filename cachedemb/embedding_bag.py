@@ -8,6 +8,7 @@ from torch import nn
 
 from cachedemb import kernels
 from cachedemb.cache import BatchPlan, EmbeddingCache, pinned_empty
+from cachedemb.errors import InvalidPaddingIdxError
 from cachedemb.input_check import BagInput, normalize_bag_input
 from cachedemb.optim import SparseOptimizer
 from cachedemb.policy import Policy
@@ -161,7 +162,7 @@ class CachedEmbeddingBag(nn.Module):
             return None
         n = self.num_embeddings
         if not -n <= padding_idx < n:
-            raise ValueError(f"padding_idx must be within [-{n}, {n}), got {padding_idx}")
+            raise InvalidPaddingIdxError(f"padding_idx must be within [-{n}, {n}), got {padding_idx}")
         return padding_idx + n if padding_idx < 0 else padding_idx
 
     def _check_id_freq(self, id_freq):
@@ -211,10 +212,13 @@ class CachedEmbeddingBag(nn.Module):
     # ----------------------------------------------------------------- forward
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if self.mode == "max" and self.sparse:
+            raise ValueError("max mode does not support sparse weights (as nn.EmbeddingBag): use sparse=False")
         bags = normalize_bag_input(input, offsets, per_sample_weights, mode=self.mode,
                                    include_last_offset=self.include_last_offset,
                                    num_embeddings=self.num_embeddings, device=self.cache.device,
-                                   validate=self.validate_inputs, padding_idx=self.padding_idx)
+                                   validate=self.validate_inputs, padding_idx=self.padding_idx,
+                                   table_dtype=self.cache.dtype)
         if bags.invalid_ids is not None:
             self.cache.bump_stats(invalid_ids=bags.invalid_ids, invalid_offsets=bags.invalid_offsets)
         train = torch.is_grad_enabled()

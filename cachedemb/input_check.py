@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from cachedemb import kernels
+from cachedemb.errors import InvalidIdError, InvalidInputTypeError, InvalidOffsetsError, UnsupportedModeError
 from cachedemb.sync_mode import counts_on_host
 
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -44,7 +45,7 @@ def _check_int_tensor(name: str, t) -> None:
     if not torch.is_tensor(t):
         raise TypeError(f"{name} must be a torch.Tensor of int32/int64, got {type(t).__name__}")
     if t.dtype not in _ID_DTYPES:
-        raise TypeError(f"{name} must hold int32 or int64 values, got dtype {t.dtype}")
+        raise InvalidInputTypeError(f"{name} must hold int32 or int64 values, got dtype {t.dtype}")
 
 
 def _first_bad(mask: torch.Tensor) -> int:
@@ -53,11 +54,11 @@ def _first_bad(mask: torch.Tensor) -> int:
 
 def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, include_last_offset: bool,
                         num_embeddings: int, device: torch.device, validate: bool = True,
-                        padding_idx: int | None = None) -> BagInput:
+                        padding_idx: int | None = None, table_dtype: torch.dtype | None = None) -> BagInput:
     _check_int_tensor("input", input)
     check_values = validate or counts_on_host(input.device)
     if per_sample_weights is not None:
-        _check_per_sample_weights(per_sample_weights, input, mode)
+        _check_per_sample_weights(per_sample_weights, input, mode, table_dtype)
     lead = trail = 0
     bad_offsets = None
     if input.dim() == 2:
@@ -108,7 +109,7 @@ def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, includ
         bad = (ids < 0) | (ids >= num_embeddings)
         if bool(bad.any()):
             i = _first_bad(bad)
-            raise IndexError(f"input id {int(ids.reshape(-1)[i])} at position {i} is out of range: ids must be "
+            raise InvalidIdError(f"input id {int(ids.reshape(-1)[i])} at position {i} is out of range: ids must be "
                              f"in [0, {num_embeddings})")
     ids = ids.reshape(-1).to(device=device, dtype=torch.int64).contiguous()
     full = full.contiguous()
@@ -129,12 +130,15 @@ def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, includ
                     invalid_ids=invalid, invalid_offsets=bad_offsets)
 
 
-def _check_per_sample_weights(per_sample_weights, input, mode: str) -> None:
+def _check_per_sample_weights(per_sample_weights, input, mode: str, table_dtype=None) -> None:
     if not torch.is_tensor(per_sample_weights) or not per_sample_weights.is_floating_point():
-        raise TypeError("per_sample_weights must be a floating-point tensor, got "
-                        f"{getattr(per_sample_weights, 'dtype', type(per_sample_weights).__name__)}")
+        raise InvalidInputTypeError("per_sample_weights must be a floating-point tensor, got "
+                                    f"{getattr(per_sample_weights, 'dtype', type(per_sample_weights).__name__)}")
+    if table_dtype is not None and per_sample_weights.dtype != table_dtype:
+        raise InvalidInputTypeError(f"per_sample_weights must have the table's dtype {table_dtype}, got "
+                                    f"{per_sample_weights.dtype} (nn.EmbeddingBag refuses the mix too)")
     if mode != "sum":
-        raise ValueError(f"per_sample_weights is only supported for mode='sum', got mode={mode!r}")
+        raise UnsupportedModeError(f"per_sample_weights is only supported for mode='sum', got mode={mode!r}")
     if tuple(per_sample_weights.shape) != tuple(input.shape):
         raise ValueError(f"per_sample_weights must have the input's shape {tuple(input.shape)}, "
                          f"got {tuple(per_sample_weights.shape)}")
@@ -142,11 +146,11 @@ def _check_per_sample_weights(per_sample_weights, input, mode: str) -> None:
 
 def _check_offsets(host: torch.Tensor, n: int) -> None:
     if int(host[0]) != 0:
-        raise ValueError(f"offsets[0] must be 0 (the first bag starts at position 0), got {int(host[0])}")
+        raise InvalidOffsetsError(f"offsets[0] must be 0 (the first bag starts at position 0), got {int(host[0])}")
     steps = host[1:] - host[:-1]
     if bool((steps < 0).any()):
         i = _first_bad(steps < 0)
-        raise ValueError(f"offsets must be non-decreasing, got offsets[{i}]={int(host[i])} > "
+        raise InvalidOffsetsError(f"offsets must be non-decreasing, got offsets[{i}]={int(host[i])} > "
                          f"offsets[{i + 1}]={int(host[i + 1])}")
     if int(host[-1]) > n:
-        raise ValueError(f"offsets[-1] must be <= len(input)={n}, got {int(host[-1])}")
+        raise InvalidOffsetsError(f"offsets[-1] must be <= len(input)={n}, got {int(host[-1])}")

@@ -101,7 +101,8 @@ def backward_warps(block_l: int, block_d: int) -> int:
     of register spill in row-wise and max-mode Adagrad (sm_80/sm_90, triton 3.6 and 3.7); eight do not."""
     if block_l == 1:
         return 1
-    return 8 if block_l * block_d >= 1024 else 4
+    tile = block_l * block_d
+    return 8 if tile >= 1024 else 4 if tile >= 512 else 1
 
 
 @triton.jit

@@ -58,3 +58,9 @@ def gpu_shapes(device: torch.device) -> bool:
     compile check records the variants a GPU runs without one; under the interpreter CPU launches otherwise use
     few, large programs)."""
     return device.type == "cuda" or os.environ.get("CACHEDEMB_GPU_SHAPES", "") == "1"
+
+
+def soft_rtne(device: torch.device) -> bool:
+    """Round fp32 -> bf16 to nearest-even in integer ops: needed where Triton's CPU interpreter truncates that
+    cast; a GPU rounds by itself (and the AOT check records the GPU's variant)."""
+    return device.type == "cpu" and os.environ.get("CACHEDEMB_GPU_SHAPES", "") != "1"

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import backend_for, on_device
+from .dispatch import backend_for, on_device, soft_rtne
 
 MODE_SUM, MODE_MEAN, MODE_MAX = 0, 1, 2
 MODES = {"sum": MODE_SUM, "mean": MODE_MEAN, "max": MODE_MAX}
@@ -180,7 +180,7 @@ def pooled_forward_triton(rows, loc_u, inverse, offsets, mode: int, per_sample_w
         pooled_forward_kernel[grid](
             rows, host, loc_u.contiguous(), inverse.contiguous(), offsets.contiguous(), psw, out,
             max_pos if max_pos is not None else out, dim,
-            BLOCK_D=block_d, MODE=mode, HAS_PSW=has_psw, SOFT_RTNE=rows.device.type == "cpu",
+            BLOCK_D=block_d, MODE=mode, HAS_PSW=has_psw, SOFT_RTNE=soft_rtne(rows.device),
             ACC=tl.float64 if rows.dtype == torch.float64 else tl.float32,
             num_warps=max(1, min(4, block_d // 128)),
         )

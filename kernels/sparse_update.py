@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .bag_backward import unique_grad_torch, backward_block_l, backward_warps, backward_inputs, bag_backward_torch, segment_grad
-from .dispatch import backend_for, on_device
+from .dispatch import backend_for, on_device, soft_rtne
 from .pooled_forward import HOST_LOC, cast_to
 
 SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM = "sgd", "adagrad", "rowwise_adagrad", "adam"
@@ -131,13 +131,13 @@ def apply_rule(rows, s0, s1, i_r, o_d, m_d, D, b_g, b_den, neg_lr, eps, c1, c2, 
 
 
 @triton.jit
-def rowwise_denominator(s0, i_r, b_sq, D, eps):
-    """Row-wise Adagrad: state += mean(g^2) over the row; returns sqrt(state) + eps. Every thread of the program
-    reads the scalar state, and they must all read it before any writes it: without the barrier a warp that
-    ran late read the new state, added mean(g^2) twice and updated its columns of the row with a wrong
-    denominator (seen on an H100 as rare, run-to-run varying rows)."""
-    b_s = tl.load(s0 + i_r) + tl.math.div_rn(b_sq, tl.full([], D, dtype=tl.float32))
-    tl.debug_barrier()
+def rowwise_denominator(s0, i_r, b_old, b_sq, D, eps):
+    """Row-wise Adagrad: state (b_old, read by the caller before reducing g) += mean(g^2) over the row; returns
+    sqrt(state) + eps. Every thread reads the scalar state and all must read it before any writes it: the
+    callers load it before the gradient's cross-warp reductions, whose barriers order every warp's read before
+    this write. (Read here, a warp that ran late read the new state, added mean(g^2) twice and updated its
+    columns with a wrong denominator: seen on an H100 as rare, run-to-run varying rows.)"""
+    b_s = b_old + tl.math.div_rn(b_sq, tl.full([], D, dtype=tl.float32))
     tl.store(s0 + i_r, b_s)
     return tl.math.sqrt_rn(b_s) + eps
 
@@ -162,12 +162,13 @@ def sparse_update_kernel(
     i_r = tl.load(loc_u + i_u).to(tl.int64)
     b_den = 0.0
     if RULE == 2:
+        b_old = tl.load(s0 + i_r)
         b_sq = tl.full([], 0.0, dtype=tl.float32)
         for i_d in range(0, tl.cdiv(D, BLOCK_D)):
             o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
             b_g = tl.load(grad_u + i_u * D + o_d, mask=o_d < D, other=0.0)
             b_sq += tl.sum(b_g * b_g)
-        b_den = rowwise_denominator(s0, i_r, b_sq, D, eps)
+        b_den = rowwise_denominator(s0, i_r, b_old, b_sq, D, eps)
     for i_d in range(0, tl.cdiv(D, BLOCK_D)):
         o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
         m_d = o_d < D
@@ -210,6 +211,7 @@ def backward_update_kernel(
     bos, eos = tl.load(ptr + i_u), tl.load(ptr + i_u + 1)
     b_den = 0.0
     if RULE == 2:
+        b_old = tl.load(p_s0 + i_r)
         # the row's mean of g^2 comes first: reduce every D-block once (summed across blocks element-wise, then
         # across the lanes), then again to update
         b_sq = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -218,7 +220,7 @@ def backward_update_kernel(
             b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, o_d < D, D,
                                MODE, BLOCK_L, BLOCK_D)
             b_sq += b_g * b_g
-        b_den = rowwise_denominator(p_s0, i_r, tl.sum(b_sq), D, eps)
+        b_den = rowwise_denominator(p_s0, i_r, b_old, tl.sum(b_sq), D, eps)
     for i_d in range(0, tl.cdiv(D, BLOCK_D)):
         o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
         m_d = o_d < D
@@ -261,7 +263,7 @@ def sparse_update_triton(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
     with on_device(rows):
         sparse_update_kernel[(capacity,)](
             rows, s0, s1, loc_u.contiguous(), grad_u.contiguous(), n_uniq.reshape(1), dim, *_scalars(rule),
-            RULE=RULE_IDS[rule.kind], SOFT_RTNE=rows.device.type == "cpu", BLOCK_D=block_d,
+            RULE=RULE_IDS[rule.kind], SOFT_RTNE=soft_rtne(rows.device), BLOCK_D=block_d,
             num_warps=max(1, min(4, block_d // 128)),
         )
 
@@ -285,7 +287,7 @@ def _backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offs
         backward_update_kernel[(capacity,)](
             rows, s0, s1, h_rows, h0, h1, loc_u.contiguous(), n_uniq.reshape(1), grad_out, perm, ptr, bag, scale,
             max_pos.contiguous(), dim, *_scalars(rule), MODE=mode, RULE=RULE_IDS[rule.kind],
-            SOFT_RTNE=rows.device.type == "cpu", BLOCK_L=block_l, BLOCK_D=block_d,
+            SOFT_RTNE=soft_rtne(rows.device), BLOCK_L=block_l, BLOCK_D=block_d,
             num_warps=backward_warps(block_l, block_d),
         )
 

@@ -356,3 +356,36 @@ def test_load_state_dict_reports_keys_it_does_not_own():
     assert torch.equal(plain.weight, trained.weight)
     with pytest.raises(RuntimeError, match="junk"):
         plain.load_state_dict({"weight": torch.zeros(20, 3), "junk": torch.zeros(1)})
+
+
+ERROR_CASES = {
+    "id >= n": (dict(), lambda m: m(torch.tensor([1, 12]), torch.tensor([0]))),
+    "id < 0": (dict(), lambda m: m(torch.tensor([1, -1]), torch.tensor([0]))),
+    "offsets[0] != 0": (dict(), lambda m: m(torch.tensor([1, 2]), torch.tensor([1]))),
+    "offsets past input": (dict(), lambda m: m(torch.tensor([1, 2]), torch.tensor([0, 3]))),
+    "float ids": (dict(), lambda m: m(torch.tensor([1.0, 2.0]), torch.tensor([0]))),
+    "psw outside sum": (dict(mode="mean"), lambda m: m(torch.tensor([1, 2]), torch.tensor([0]), torch.rand(2))),
+    "psw dtype": (dict(), lambda m: m(torch.tensor([1, 2]), torch.tensor([0]), torch.rand(2, dtype=torch.float64))),
+    "psw shape": (dict(), lambda m: m(torch.tensor([1, 2]), torch.tensor([0]), torch.rand(3))),
+    "max with sparse": (dict(mode="max", sparse=True), lambda m: m(torch.tensor([1, 2]), torch.tensor([0]))),
+}
+
+
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_errors_are_caught_by_embedding_bags_except_clauses(case):
+    """Whatever nn.EmbeddingBag raises for a mistake, an `except` for that type catches ours too (and the
+    message names the bad value)."""
+    kwargs, call = ERROR_CASES[case]
+    kwargs = {"mode": "sum", **kwargs}
+    with pytest.raises(Exception) as theirs:
+        call(nn.EmbeddingBag(10, 3, **kwargs))
+    ours_module = cachedemb.CachedEmbeddingBag(10, 3, cache_rows=2, device="cpu", **kwargs)
+    with pytest.raises(type(theirs.value)):
+        call(ours_module)
+
+
+def test_padding_idx_error_is_an_assertion_error_too():
+    with pytest.raises(AssertionError):
+        nn.EmbeddingBag(10, 3, padding_idx=12)
+    with pytest.raises(AssertionError, match="12"):
+        cachedemb.CachedEmbeddingBag(10, 3, padding_idx=12, device="cpu")

@@ -245,3 +245,15 @@ def test_prefetch_over_kjt_batches_trains_identically(overlap):
     assert with_pipe.keys() == without.keys()
     for key in without:
         assert torch.equal(with_pipe[key], without[key]), key
+
+
+def test_import_does_not_load_torchrec():
+    """torchrec costs seconds to import: the collection meets its types only once the caller has imported it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, cachedemb; assert 'torchrec' not in sys.modules, 'torchrec imported'; "
+            "c = cachedemb.CachedEmbeddingBagCollection([cachedemb.TableConfig('t', 10, 4, ['f'])], device='cpu'); "
+            "c({'f': (__import__('torch').tensor([1, 2]), __import__('torch').tensor([0, 1, 2]))}); "
+            "assert 'torchrec' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

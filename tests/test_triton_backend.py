@@ -9,14 +9,15 @@ import test_conformance as conformance
 import test_training as training
 
 
-pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
-                                 reason="forces Triton onto CPU tensors: needs TRITON_INTERPRET=1"),
-              pytest.mark.usefixtures("sizing_mode")]
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
+                                reason="forces Triton onto CPU tensors: needs TRITON_INTERPRET=1")
 
 
 @pytest.fixture(autouse=True)
-def triton_backend(monkeypatch):
+def cuda_path(monkeypatch):
+    """The CUDA path on CPU: Triton kernels (under the interpreter) with the sync-free sizing rules."""
     monkeypatch.setenv("CACHEDEMB_BACKEND", "triton")
+    monkeypatch.setenv("CACHEDEMB_SYNC_FREE", "1")
 
 
 def _pick():

@@ -1,0 +1,23 @@
+"""Exceptions for bad input, each a subclass of both the type this library raised first and the type
+`nn.EmbeddingBag` raises for the same mistake, so an `except` written for either keeps working."""
+from __future__ import annotations
+
+
+class InvalidIdError(IndexError, RuntimeError):
+    """An id outside [0, num_embeddings) (nn.EmbeddingBag: RuntimeError)."""
+
+
+class InvalidOffsetsError(ValueError, RuntimeError):
+    """offsets[0] != 0, decreasing offsets, or offsets past the input (nn.EmbeddingBag: RuntimeError)."""
+
+
+class InvalidInputTypeError(TypeError, RuntimeError):
+    """Ids that are not int32/int64, or per_sample_weights of another dtype than the table (RuntimeError)."""
+
+
+class UnsupportedModeError(ValueError, NotImplementedError):
+    """per_sample_weights outside mode='sum' (nn.EmbeddingBag: NotImplementedError)."""
+
+
+class InvalidPaddingIdxError(ValueError, AssertionError):
+    """padding_idx outside [-num_embeddings, num_embeddings) (nn.EmbeddingBag: AssertionError)."""
