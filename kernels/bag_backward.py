@@ -4,7 +4,6 @@
 sum: each lookup gets grad_out[bag] * per_sample_weight; mean: grad_out[bag] / (non-padding lookups in bag);
 max: element d of bag b goes to the lookup at max_pos[b, d] only. Padding lookups get nothing.
 """
-from __future__ import annotations
 
 import torch
 import triton

@@ -7,7 +7,6 @@ the mean's count), `offsets [bags + 1]` (bag b is lookups offsets[b]:offsets[b+1
 Max mode also returns `max_pos [bags, D]`: the lookup position holding each element's maximum (first one on
 ties, as torch), -1 for a bag with no non-padding lookup, whose output is 0.
 """
-from __future__ import annotations
 
 import torch
 import triton

@@ -6,7 +6,6 @@ One op serves both directions: `dst[dst_idx[i]] = src[src_idx[i]]` for i < n whe
 and never compact on the host; an index past the end of its tensor is skipped too, so no index can write or
 read outside the tables. 1-D tensors are treated as [R, 1].
 """
-from __future__ import annotations
 
 import contextlib
 import os
@@ -99,7 +98,7 @@ def row_copy_triton(src, src_idx, dst, dst_idx, n, accumulate: bool = False):
         BLOCK_R = max(1, 2048 // BLOCK_D)
     else:  # the interpreter: few, large programs
         BLOCK_D = min(triton.next_power_of_2(D), 1024)
-        BLOCK_R = min(max(1, 16384 // BLOCK_D), triton.next_power_of_2(n_cap))
+        BLOCK_R = min(max(1, 16384 // BLOCK_D), max(16, triton.next_power_of_2(n_cap)))
     grid = (triton.cdiv(n_cap, BLOCK_R), triton.cdiv(D, BLOCK_D))
     with torch.cuda.device(cuda) if cuda is not None else contextlib.nullcontext():
         row_copy_kernel[grid](src2, src_idx.contiguous(), dst2, dst_idx.contiguous(), n_ptr, n_cap, src2.shape[0],

@@ -6,7 +6,6 @@ arithmetic order (SGD, Adagrad, SparseAdam) or FBGEMM's (row-wise Adagrad), so c
 full-table training. `backward_update` is the fused entry point: on Triton one kernel reduces the lookups of
 each unique id and applies the rule; the reference composes bag_backward and sparse_update.
 """
-from __future__ import annotations
 
 import math
 from dataclasses import dataclass
