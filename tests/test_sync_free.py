@@ -78,9 +78,9 @@ def zipf_batches(n, num_rows, bags, bag_len, seed=0):
     return out
 
 
-@pytest.mark.parametrize("use_prefetch", [False, True])
-@pytest.mark.parametrize("opt", [optim.SGD(0.1), optim.Adam(0.01), optim.RowWiseAdagrad(0.1)],
-                         ids=["sgd", "adam", "rowwise"])
+@pytest.mark.parametrize("opt,use_prefetch", [(optim.SGD(0.1), False), (optim.Adam(0.01), True),
+                                              (optim.RowWiseAdagrad(0.1), True), (optim.Adagrad(0.1), False)],
+                         ids=["sgd", "adam-prefetch", "rowwise-prefetch", "adagrad"])
 def test_steady_state_step_reads_nothing_on_the_host(cuda_rules, monkeypatch, use_prefetch, opt):
     """A cache much smaller than a batch's distinct ids: every step evicts, admits and serves rows from the
     host, and still no host read happens."""
@@ -127,9 +127,12 @@ def test_collection_step_reads_nothing_on_the_host(cuda_rules, monkeypatch):
         assert counter.calls == [], (use_prefetch, counter.calls[:10])
 
 
-def test_device_memory_follows_cache_and_distinct_ids(cuda_rules):
-    """A multi-hot batch of 50k lookups over ~2k distinct ids through a 64-row cache with Adam: the cache holds
-    exactly its O(cache) buffers, before and after, and the result equals nn.EmbeddingBag."""
+def test_device_memory_follows_cache_and_distinct_ids(monkeypatch):
+    """A multi-hot batch of 50k lookups over ~2k distinct ids through a 64-row cache with Adam, under the CUDA
+    sizing rules: the cache holds exactly its O(cache) buffers, before and after, and the result equals
+    nn.EmbeddingBag. (The reference kernels: the interpreter would take minutes over 50k lookups; the Triton
+    path's buffers are the same, and the H100 test measures its transient peak.)"""
+    monkeypatch.setenv("CACHEDEMB_SYNC_FREE", "1")
     torch.manual_seed(0)
     num, dim, cap = 20_000, 16, 64
     ref = nn.EmbeddingBag(num, dim, mode="sum")
