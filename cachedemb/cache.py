@@ -45,7 +45,7 @@ class BatchPlan:
     inverse: torch.Tensor  # [B] unique position of each lookup, -1 for padding
     counts: torch.Tensor  # [U] occurrences of each unique id
     n_uniq: torch.Tensor  # [1]
-    loc_u: torch.Tensor  # [U] row (cache or spill slot) of each unique id, -1 past n_uniq
+    loc_u: torch.Tensor  # [U] cache or spill slot of each unique id; <= -2: its host row (HOST_LOC); -1 past n_uniq
     generation: int  # the cache generation the locations belong to
 
 
