@@ -27,7 +27,6 @@ from torch import nn
 from cachedemb import kernels
 from cachedemb.host_memory import host_empty
 from cachedemb.kernels import EMPTY_KEY
-from cachedemb.kernels.dispatch import host_loc
 from cachedemb.policy import Policy, SlotView, resolve
 from cachedemb.sync_mode import counts_on_host
 
@@ -287,10 +286,10 @@ class EmbeddingCache:
             self.slot_freq.index_add_(0, dumped, counts)
             self.slot_last_use.index_fill_(0, dumped, self.batch_counter)
             # Rows served from the host count there (distinct ids: a plain add).
-            on_host = live & (loc_u < -1)
+            on_host = live & (loc_u <= kernels.HOST_LOC)
             positions = torch.arange(cap, device=self.device)
             kernels.row_copy(counts, torch.where(on_host, positions, -1), self.host_freq,
-                             torch.where(on_host, kernels.HOST_LOC - loc_u, -1), cap, accumulate=True)
+                             torch.where(on_host, kernels.host_loc(loc_u), -1), cap, accumulate=True)
             self.train_batches += 1
             if self.freq_halflife and self.train_batches % self.freq_halflife == 0:
                 self.halve_counts()
@@ -421,7 +420,7 @@ class EmbeddingCache:
             self._grow_spill(int(n_miss - n_admit))  # exact: one host read (autograd needs device rows)
             overflow = self.capacity + rank - n_admit
         else:
-            overflow = host_loc(uniq)
+            overflow = kernels.host_loc(uniq)
         if victims is not None:
             from_victim = victims[rank.clamp(min=0, max=k - 1)]
             dest = torch.where(rank < n_admit, from_victim, overflow)

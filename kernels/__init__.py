@@ -2,7 +2,16 @@
 the op's public name dispatches (Triton on CUDA, reference elsewhere; CACHEDEMB_BACKEND forces one)."""
 from .bag_backward import bag_backward, bag_backward_torch, bag_of_lookup, lookup_scale, per_sample_weights_grad
 from .dispatch import backend_for, forced_backend, triton_available
-from .pooled_forward import HOST_LOC, MODE_MAX, MODE_MEAN, MODE_SUM, MODES, pooled_forward, pooled_forward_torch
+from .pooled_forward import (
+    HOST_LOC,
+    MODE_MAX,
+    MODE_MEAN,
+    MODE_SUM,
+    MODES,
+    host_loc,
+    pooled_forward,
+    pooled_forward_torch,
+)
 from .row_copy import row_copy, row_copy_torch
 from .slot_lookup import EMPTY_KEY, slot_lookup, slot_lookup_torch
 from .sparse_update import (

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import backend_for, gpu_shapes, on_device
-from .pooled_forward import MODE_MAX, MODE_MEAN, MODE_SUM, lookup_rows_of, with_host_rows
+from .pooled_forward import MODE_MAX, MODE_MEAN, MODE_SUM, acc_dtype, lookup_rows_of, with_host_rows
 
 
 def bag_of_lookup(offsets: torch.Tensor, n_lookups: int) -> torch.Tensor:
@@ -18,11 +18,6 @@ def bag_of_lookup(offsets: torch.Tensor, n_lookups: int) -> torch.Tensor:
     lengths = offsets[1:] - offsets[:-1]
     bags = torch.arange(lengths.numel(), device=offsets.device)
     return torch.repeat_interleave(bags, lengths, output_size=n_lookups)
-
-
-def _acc_dtype(t: torch.Tensor) -> torch.dtype:
-    """Accumulation dtype of the references: fp64 for fp64 inputs, else fp32."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def lookup_scale(inverse, offsets, mode: int, per_sample_weights=None, dtype=torch.float32) -> torch.Tensor:
@@ -42,7 +37,7 @@ def bag_backward_torch(grad_out, inverse, offsets, mode: int, per_sample_weights
     """Reference segment reduction: returns grad_u [B, D] fp32 (capacity B = lookups)."""
     n_lookups = inverse.numel()
     dim = grad_out.shape[1]
-    acc = _acc_dtype(grad_out)
+    acc = acc_dtype(grad_out.dtype)
     grad_out = grad_out.to(acc)
     grad_u = torch.zeros(n_lookups, dim, dtype=acc, device=grad_out.device)
     if mode == MODE_MAX:
@@ -72,7 +67,7 @@ def unique_grad_torch(grad_out, inverse, offsets, mode: int, per_sample_weights=
     n = int((ptr[1:] > ptr[:-1]).sum())
     n_lookups = inverse.numel()
     bag = bag_of_lookup(offsets, n_lookups)[perm]
-    acc = _acc_dtype(grad_out)
+    acc = acc_dtype(grad_out.dtype)
     scale = lookup_scale(inverse, offsets, mode, per_sample_weights, acc)[perm]
     grad_u, _, _, _ = torch.embedding_bag(grad_out.to(acc).contiguous(), bag, ptr[:n], False, MODE_SUM, False,
                                           scale, False, None)

@@ -48,11 +48,6 @@ def on_device(t: torch.Tensor):
     return contextlib.nullcontext()
 
 
-def host_loc(ids: torch.Tensor) -> torch.Tensor:
-    """The location code of rows served straight from the host table (see HOST_LOC in pooled_forward)."""
-    return -2 - ids
-
-
 def gpu_shapes(device: torch.device) -> bool:
     """Whether launchers pick their GPU block shapes: on CUDA, or on CPU with `CACHEDEMB_GPU_SHAPES=1` (the AOT
     compile check records the variants a GPU runs without one; under the interpreter CPU launches otherwise use
@@ -63,4 +58,4 @@ def gpu_shapes(device: torch.device) -> bool:
 def soft_rtne(device: torch.device) -> bool:
     """Round fp32 -> bf16 to nearest-even in integer ops: needed where Triton's CPU interpreter truncates that
     cast; a GPU rounds by itself (and the AOT check records the GPU's variant)."""
-    return device.type == "cpu" and os.environ.get("CACHEDEMB_GPU_SHAPES", "") != "1"
+    return device.type == "cpu" and not gpu_shapes(device)

@@ -22,6 +22,16 @@ MODES = {"sum": MODE_SUM, "mean": MODE_MEAN, "max": MODE_MAX}
 HOST_LOC = -2
 
 
+def host_loc(x: torch.Tensor) -> torch.Tensor:
+    """Host row id -> location code, and back (the map is its own inverse)."""
+    return HOST_LOC - x
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of the references: fp64 for an fp64 table, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def lookup_rows_of(loc_u: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """The row each lookup reads; padding lookups (and a batch with no unique id at all) point at row 0, which
     the caller masks out."""
@@ -38,7 +48,7 @@ def with_host_rows(rows, loc_u, host_rows):
     on_host = loc_u <= HOST_LOC
     if not bool(on_host.any()):
         return rows, loc_u
-    host_ids = (HOST_LOC - loc_u[on_host]).to(host_rows.device)
+    host_ids = host_loc(loc_u[on_host]).to(host_rows.device)
     extra = host_rows.index_select(0, host_ids).to(device=rows.device, dtype=rows.dtype)
     remapped = loc_u.clone()
     remapped[on_host] = rows.shape[0] + torch.arange(extra.shape[0], device=loc_u.device)
@@ -55,7 +65,7 @@ def pooled_forward_torch(rows, loc_u, inverse, offsets, mode: int, per_sample_we
     n_lookups = inverse.numel()
     valid = inverse >= 0
     lookup_rows = lookup_rows_of(loc_u, inverse)
-    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(rows.dtype)
     gathered = rows.index_select(0, lookup_rows.to(rows.device)).to(acc)
     table = torch.cat([gathered, gathered.new_zeros(1, rows.shape[1])])
     positions = torch.arange(n_lookups, device=inverse.device)

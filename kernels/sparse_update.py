@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .bag_backward import unique_grad_torch, backward_block_l, backward_warps, backward_inputs, bag_backward_torch, segment_grad
 from .dispatch import backend_for, on_device, soft_rtne
-from .pooled_forward import HOST_LOC, cast_to
+from .pooled_forward import HOST_LOC, acc_dtype, cast_to, host_loc
 
 SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM = "sgd", "adagrad", "rowwise_adagrad", "adam"
 RULE_KINDS = (SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM)
@@ -59,14 +59,14 @@ def sparse_update_torch(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule, h
         _update_rows(rows, states, idx, g, rule)
         return
     _update_rows(rows, states, idx[~on_host], g[~on_host], rule)
-    host_idx = (HOST_LOC - idx[on_host]).to(host_rows.device)
+    host_idx = host_loc(idx[on_host]).to(host_rows.device)
     _update_rows(host_rows, list(host_states), host_idx, g[on_host].to(host_rows.device), rule)
 
 
 def _update_rows(rows, states, idx, g, rule: UpdateRule):
     if idx.numel() == 0:
         return
-    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(rows.dtype)
     g = g.to(acc)
     w = rows.index_select(0, idx).to(acc)
     if rule.kind == SGD:
