@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from cachedemb import kernels
-from cachedemb.host_memory import host_empty
+from cachedemb.host_memory import host_empty, pinned_copy
 from cachedemb.kernels import EMPTY_KEY
 from cachedemb.policy import Policy, SlotView, resolve
 from cachedemb.sync_mode import counts_on_host
@@ -78,12 +78,6 @@ class WindowPlan:
 def pinned_empty(shape, dtype) -> torch.Tensor:
     """Host memory of exactly this size, registered with CUDA (DMA and zero-copy access) when CUDA exists."""
     return host_empty(shape, dtype, pinned=torch.cuda.is_available())
-
-
-def pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    out = host_empty(t.shape, t.dtype, pinned=True)
-    out.copy_(t)
-    return out
 
 
 class EmbeddingCache:
@@ -198,7 +192,6 @@ class EmbeddingCache:
         for key, value in values.items():
             i = _STAT[key]
             self.stats[i:i + 1].add_(value.reshape(1).to(torch.int64))
-
 
     def device_bytes(self) -> int:
         """Bytes this cache holds on its device: rows, optimizer state, slot metadata, index, counters (and spill

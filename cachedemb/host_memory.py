@@ -8,6 +8,7 @@ dropped when the last tensor viewing the memory is gone. A CPU-only process neve
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import mmap
@@ -40,10 +41,9 @@ def advise_huge_pages(address: int, size: int) -> None:
 def _unregister(address: int, mapping: mmap.mmap) -> None:
     """Runs when the last tensor over `mapping` is gone; `mapping` is held until then, so the pages are still
     mapped while they are unregistered, and unmapped when this reference drops."""
-    try:
+    # At interpreter shutdown CUDA may already be torn down: then there is nothing left to release.
+    with contextlib.suppress(Exception):
         torch.cuda.cudart().cudaHostUnregister(address)
-    except Exception:  # noqa: BLE001 - interpreter shutdown or CUDA already torn down: nothing to release
-        pass
 
 
 def host_empty(shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
@@ -66,3 +66,10 @@ def host_empty(shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
                                "(page-locked memory limit? see `ulimit -l`)")
         weakref.finalize(export, _unregister, address, mapping)
     return flat.view(dtype).view(shape)
+
+
+def pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """An exact-size, CUDA-registered host copy of `t`."""
+    out = host_empty(t.shape, t.dtype, pinned=True)
+    out.copy_(t)
+    return out

@@ -109,8 +109,8 @@ def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, includ
         bad = (ids < 0) | (ids >= num_embeddings)
         if bool(bad.any()):
             i = _first_bad(bad)
-            raise InvalidIdError(f"input id {int(ids.reshape(-1)[i])} at position {i} is out of range: ids must be "
-                             f"in [0, {num_embeddings})")
+            raise InvalidIdError(f"input id {int(ids.reshape(-1)[i])} at position {i} is out of range: ids must "
+                                 f"be in [0, {num_embeddings})")
     ids = ids.reshape(-1).to(device=device, dtype=torch.int64).contiguous()
     full = full.contiguous()
     if check_values:
@@ -151,6 +151,6 @@ def _check_offsets(host: torch.Tensor, n: int) -> None:
     if bool((steps < 0).any()):
         i = _first_bad(steps < 0)
         raise InvalidOffsetsError(f"offsets must be non-decreasing, got offsets[{i}]={int(host[i])} > "
-                         f"offsets[{i + 1}]={int(host[i + 1])}")
+                                  f"offsets[{i + 1}]={int(host[i + 1])}")
     if int(host[-1]) > n:
         raise InvalidOffsetsError(f"offsets[-1] must be <= len(input)={n}, got {int(host[-1])}")
