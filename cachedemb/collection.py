@@ -651,7 +651,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             if self.is_weighted_:
                 if any(w is None for w in weights):
                     raise ValueError("is_weighted=True but some feature has no weights")
-                psw = torch.cat(weights)
+                # One KJT carries one weights tensor for tables of any dtype: cast to this group's.
+                psw = torch.cat(weights).to(group.dtype)
             inputs.append((torch.cat(ids), offsets, psw))
         if batch is None:
             batch = next((offs.numel() - 1 for _, offs, _ in per_feature.values()), 0)
