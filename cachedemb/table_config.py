@@ -1,0 +1,90 @@
+"""TableConfig: one embedding table of a CachedEmbeddingBagCollection; `from_config` reads torchrec's
+EmbeddingBagConfig (duck-typed: torchrec is not imported)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+POOLINGS = ("sum", "mean")
+DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}  # torchrec DataType names
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One embedding table: `num_embeddings` rows of `embedding_dim`, looked up by each of `feature_names`
+    (none: one feature named as the table, as torchrec does), pooled by `pooling`, stored as `dtype`
+    (float32, float16 or bfloat16), initialized by `init_fn(rows)` (default: uniform in
+    +-sqrt(1 / num_embeddings), torchrec's default)."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: tuple[str, ...] = ()
+    pooling: str = "sum"
+    dtype: torch.dtype = torch.float32
+    init_fn: Callable[[torch.Tensor], object] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name or "." in self.name:
+            raise ValueError(f"TableConfig.name must be a non-empty string without '.', got {self.name!r}")
+        for field in ("num_embeddings", "embedding_dim"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TableConfig {self.name!r}: {field} must be a positive int, got {value!r}")
+        if isinstance(self.feature_names, str):
+            raise ValueError(f"TableConfig {self.name!r}: feature_names must be a list of names, got the string "
+                             f"{self.feature_names!r}; write [{self.feature_names!r}]")
+        names = tuple(self.feature_names) or (self.name,)
+        if not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"TableConfig {self.name!r}: feature_names must be non-empty strings, got {names!r}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"TableConfig {self.name!r}: duplicated feature names in {names!r}")
+        object.__setattr__(self, "feature_names", names)
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"TableConfig {self.name!r}: pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.dtype not in DTYPES.values():
+            raise ValueError(f"TableConfig {self.name!r}: dtype must be float32, float16 or bfloat16, "
+                             f"got {self.dtype}")
+        if self.init_fn is not None and not callable(self.init_fn):
+            raise ValueError(f"TableConfig {self.name!r}: init_fn must be callable, got {self.init_fn!r}")
+
+    @classmethod
+    def from_config(cls, config) -> "TableConfig":
+        """A TableConfig from a torchrec `EmbeddingBagConfig` (duck-typed: torchrec is not imported). Empty
+        `feature_names` become [name] in `config` itself, as torchrec's EmbeddingBagCollection does."""
+        if isinstance(config, cls):
+            return config
+        missing = [a for a in ("name", "num_embeddings", "embedding_dim", "feature_names")
+                   if not hasattr(config, a)]
+        if missing:
+            raise TypeError(f"tables must be TableConfig or torchrec EmbeddingBagConfig, got "
+                            f"{type(config).__name__} without {missing}")
+        pooling = getattr(config, "pooling", "sum")
+        pooling = str(getattr(pooling, "value", pooling)).lower()  # torchrec PoolingType.SUM -> "sum"
+        data_type = getattr(config, "data_type", None)
+        dtype = torch.float32
+        if data_type is not None:
+            key = str(getattr(data_type, "name", data_type)).upper()
+            if key not in DTYPES:
+                raise ValueError(f"table {config.name!r}: data_type {key} is not supported; use FP32, FP16 or "
+                                 "BF16")
+            dtype = DTYPES[key]
+        if not config.feature_names:
+            config.feature_names = [config.name]
+        return cls(config.name, config.num_embeddings, config.embedding_dim, tuple(config.feature_names), pooling,
+                   dtype, getattr(config, "init_fn", None))
+
+    def initialize(self, rows: torch.Tensor) -> None:
+        """Fill this table's full rows in place with `init_fn` (torchrec's default without one)."""
+        bound = math.sqrt(1.0 / self.num_embeddings)
+        init = self.init_fn or partial(nn.init.uniform_, a=-bound, b=bound)
+        with torch.no_grad():
+            init(rows)
+
+
+__all__ = ["TableConfig", "POOLINGS", "DTYPES"]
