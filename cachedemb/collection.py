@@ -263,10 +263,9 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
     def _apply(self, fn, recurse=True):
         """`.to(device)` / `to_empty(device=...)`: moves the caches (the host tables stay on the host); from
         meta, allocates the tables (zeroed: `reset_parameters()` initializes them); to meta, drops them."""
-        probe = fn(torch.zeros(1, device="cpu"))
+        probe = self._probe(fn, torch.float32)
         if not self.bags:  # dtype conversions (.half(), .to(dtype)) apply to the tables still to be allocated
-            self.tables = [replace(t, dtype=fn(torch.zeros(1, dtype=t.dtype, device="cpu")).dtype)
-                           for t in self.tables]
+            self.tables = [replace(t, dtype=self._probe(fn, t.dtype).dtype) for t in self.tables]
             self._plan_groups()
         if probe.device.type == "meta":
             self.bags = nn.ModuleList()
@@ -279,6 +278,13 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         self._device = probe.device
         self._dense_index = {}
         return self
+
+    def _probe(self, fn, dtype: torch.dtype) -> torch.Tensor:
+        """What `fn` (of `_apply`) makes of a tensor of this dtype on the collection's device."""
+        try:
+            return fn(torch.zeros(1, dtype=dtype, device=self.device))
+        except NotImplementedError:  # .to(device) of a meta tensor, which torch refuses: nothing to copy here
+            return fn(torch.zeros(1, dtype=dtype, device="cpu"))
 
     # ----------------------------------------------------------------- torchrec interface
     def embedding_bag_configs(self) -> list:
@@ -295,9 +301,10 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
 
     def reset_parameters(self) -> None:
         """Re-initialize every table with its init_fn, as torchrec's EmbeddingBagCollection (nothing on meta)."""
+        if not self.bags:
+            return
         for i, t in enumerate(self.tables):
-            if self.bags:
-                t.initialize(self._table_rows(i))
+            t.initialize(self._table_rows(i))
 
     def __prepare_scriptable__(self):
         raise NotScriptableError("torch.jit.script " + capture.SCRIPT_MESSAGE)
@@ -312,7 +319,7 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         names = {dtype: name for name, dtype in DTYPES.items()}
         configs = [EmbeddingBagConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
                                       feature_names=list(t.feature_names), pooling=PoolingType[t.pooling.upper()],
-                                      data_type=DataType[names[t.dtype]]) for t in self.tables]
+                                      data_type=DataType[names.get(t.dtype, "FP32")]) for t in self.tables]
         device = torch.device(device or "cpu")
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             ebc = EmbeddingBagCollection(configs, is_weighted=self.is_weighted_, device=device)
@@ -489,7 +496,7 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
     def _load_table(self, i: int, state_dict, prefix: str, missing_keys, unexpected_keys, error_msgs) -> None:
         t = self.tables[i]
         known = {prefix + "weight"}
-        writes = []  # (key, value, host tensor, lo)
+        writes = []  # (key, value, host tensor whose rows [lo, lo + num_embeddings) it fills)
         if prefix + "weight" not in state_dict:
             missing_keys.append(prefix + "weight")
         g, lo = self._table_group[i]
@@ -507,7 +514,7 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
             known.add(prefix + _STEP)
         unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in known)
         bad = False
-        for key, value, host, in writes:
+        for key, value, host in writes:
             expected = (t.num_embeddings, host.shape[1])
             if tuple(value.shape) != expected:
                 error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "

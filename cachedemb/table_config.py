@@ -12,14 +12,15 @@ from torch import nn
 
 POOLINGS = ("sum", "mean")
 DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}  # torchrec DataType names
+TABLE_DTYPES = (*DTYPES.values(), torch.float64)
 
 
 @dataclass(frozen=True)
 class TableConfig:
     """One embedding table: `num_embeddings` rows of `embedding_dim`, looked up by each of `feature_names`
-    (none: one feature named as the table, as torchrec does), pooled by `pooling`, stored as `dtype`
-    (float32, float16 or bfloat16), initialized by `init_fn(rows)` (default: uniform in
-    +-sqrt(1 / num_embeddings), torchrec's default)."""
+    (none: one feature named as the table, as torchrec does), pooled by `pooling`, stored as `dtype` (float32,
+    float16, bfloat16, or float64 where CachedEmbeddingBag supports it), initialized by `init_fn(rows)`
+    (default: uniform in +-sqrt(1 / num_embeddings), torchrec's default)."""
 
     name: str
     num_embeddings: int
@@ -47,9 +48,9 @@ class TableConfig:
         object.__setattr__(self, "feature_names", names)
         if self.pooling not in POOLINGS:
             raise ValueError(f"TableConfig {self.name!r}: pooling must be one of {POOLINGS}, got {self.pooling!r}")
-        if self.dtype not in DTYPES.values():
-            raise ValueError(f"TableConfig {self.name!r}: dtype must be float32, float16 or bfloat16, "
-                             f"got {self.dtype}")
+        if self.dtype not in TABLE_DTYPES:
+            raise ValueError(f"TableConfig {self.name!r}: dtype must be one of "
+                             f"{', '.join(str(d).replace('torch.', '') for d in TABLE_DTYPES)}, got {self.dtype}")
         if self.init_fn is not None and not callable(self.init_fn):
             raise ValueError(f"TableConfig {self.name!r}: init_fn must be callable, got {self.init_fn!r}")
 
@@ -87,4 +88,4 @@ class TableConfig:
             init(rows)
 
 
-__all__ = ["TableConfig", "POOLINGS", "DTYPES"]
+__all__ = ["TableConfig", "POOLINGS", "DTYPES", "TABLE_DTYPES"]

@@ -176,6 +176,12 @@ def test_per_sample_weights_and_their_gradient(backend):
     torch.testing.assert_close(w_ours.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="no weights"):
         coll(KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f3", "f2"], values=values, lengths=lengths))
+    # An FP16 table takes the KJT's float32 weights (cast to the table's dtype; torchrec's EBC refuses them).
+    half = CachedEmbeddingBagCollection([TableConfig("w1", 12, 3, ["f1", "f3"]),
+                                         TableConfig("w2", 12, 4, ["f2"], dtype=torch.float16)],
+                                        is_weighted=True, device="cpu", cache_rows=4)
+    half.load_state_dict(ebc.state_dict())
+    torch.testing.assert_close(half(kjt(weights)).values(), ref.values().detach(), rtol=1e-2, atol=1e-2)
 
 
 # ----------------------------------------------------------------- training
@@ -183,7 +189,7 @@ def fp32_configs():
     return configs(DataType.FP32)
 
 
-@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+@pytest.mark.parametrize("name,sizing_mode", [("sgd", "sync_free"), ("adagrad", "exact")], indirect=["sizing_mode"])
 def test_fused_training_equals_torchrec_with_torch_optim(backend, sizing_mode, name):
     fused, torch_opt = {"sgd": (optim.SGD(lr=0.2), functools.partial(torch.optim.SGD, lr=0.2)),
                         "adagrad": (optim.Adagrad(lr=0.2), functools.partial(torch.optim.Adagrad, lr=0.2))}[name]
@@ -274,8 +280,9 @@ def test_meta_construction_allocates_nothing_then_materializes(backend):
     assert_same_tables(coll, ebc)
     kjt = random_kjt(1)
     # .to(device) from meta materializes too; .to("meta") drops the tables again.
-    again = CachedEmbeddingBagCollection(configs(), device="meta").to("cpu")
+    again = CachedEmbeddingBagCollection(configs(), device="meta").half().to("cpu")
     assert len(again.bags) == 3 and again.embedding_bags["t_d"].weight.abs().sum() == 0
+    assert again.embedding_bags["t_a"].weight.dtype == torch.float16
     again.to("meta")
     assert len(again.bags) == 0 and again.device == torch.device("meta")
     assert_same_output(coll(kjt), ebc(kjt), atol=1e-3)
@@ -329,16 +336,26 @@ def test_fx_symbolic_trace_runs_the_collection(backend):
     assert_same_output(torch.fx.symbolic_trace(coll)(kjt), coll(kjt))
 
 
-def test_non_strict_export_gives_the_same_outputs(backend):
+@pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
+def test_export_gives_the_same_outputs(backend, strict):
     ref_model, model = dlrm_pair()
     dense, kjt = dlrm_inputs(0)
-    ep = torch.export.export(model, (dense, kjt), strict=False)
+    ep = torch.export.export(model, (dense, kjt), strict=strict)
     assert "cachedemb.collection_lookup" in ep.graph_module.code
     exported = ep.module()
     for seed in range(3):
         dense, kjt = dlrm_inputs(seed)
         with torch.no_grad():
             torch.testing.assert_close(exported(dense, kjt), ref_model(dense, kjt), rtol=1e-5, atol=1e-6)
+    # A copy of the model is its own collection in its own exported program.
+    import copy
+
+    twin = copy.deepcopy(model)
+    twin.sparse_arch.embedding_bag_collection.embedding_bags["t1"].weight.data.zero_()
+    twin_ep = torch.export.export(twin, (dense, kjt), strict=False).module()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(dense, kjt), ref_model(dense, kjt), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(twin_ep(dense, kjt), twin(dense, kjt), rtol=1e-5, atol=1e-6)
 
 
 def test_torch_compile_trains_like_eager():
@@ -367,6 +384,8 @@ def test_torchscript_is_refused_with_a_way_out(monkeypatch):
     for target in (coll, model, torch.fx.symbolic_trace(model)):
         with pytest.raises(NotScriptableError, match="to_embedding_bag_collection.*symbolic_trace.*export"):
             torch.jit.script(target)
+    with pytest.raises(NotScriptableError, match="torch.jit.trace"):  # would bake one batch's cache plan in
+        torch.jit.trace(coll, (torch.zeros(2, 3, dtype=torch.int64),))
     scripted = torch.jit.script(coll.to_embedding_bag_collection())
     kjt = dlrm_inputs(0)[1]
     assert_same_output(scripted(kjt), coll(kjt))
