@@ -1,8 +1,10 @@
 """CachedEmbeddingBagCollection built from torchrec's own EmbeddingBagConfigs against torchrec's
 EmbeddingBagCollection on the same inputs: seeded init, outputs and keys, per-sample weights, training (fused
 optimizer vs torch.optim on EBC; optimizer=None gradients), `embedding_bags[t].weight` reads and writes, meta
-construction, fx tracing, non-strict export, torch.compile and TorchScript's refusal. Both kernel backends."""
+construction, fx tracing, export, torch.compile and TorchScript's refusal. Both kernel backends."""
+import copy
 import functools
+import os
 
 import pytest
 import torch
@@ -24,8 +26,6 @@ BATCH = 4
 def backend(request, monkeypatch):
     """Every kernel on the pure-torch reference, or on its Triton kernel (the interpreter on CPU)."""
     if request.param == "triton":
-        import os
-
         if os.environ.get("TRITON_INTERPRET", "0") != "1" and not torch.cuda.is_available():
             pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
     monkeypatch.setenv("CACHEDEMB_BACKEND", request.param)
@@ -348,8 +348,6 @@ def test_export_gives_the_same_outputs(backend, strict):
         with torch.no_grad():
             torch.testing.assert_close(exported(dense, kjt), ref_model(dense, kjt), rtol=1e-5, atol=1e-6)
     # A copy of the model is its own collection in its own exported program.
-    import copy
-
     twin = copy.deepcopy(model)
     twin.sparse_arch.embedding_bag_collection.embedding_bags["t1"].weight.data.zero_()
     twin_ep = torch.export.export(twin, (dense, kjt), strict=False).module()
