@@ -1,8 +1,10 @@
 """Gradient of the pooled forward, reduced per unique id (duplicates summed once per row).
 
-`grad_u [U, D]` fp32: row j holds the summed gradient of unique id j over all its lookups; rows past n are 0.
-sum: each lookup gets grad_out[bag] * per_sample_weight; mean: grad_out[bag] / (non-padding lookups in bag);
-max: element d of bag b goes to the lookup at max_pos[b, d] only. Padding lookups get nothing.
+`grad_u [U, D]` fp32 (fp64 for an fp64 grad_out, `acc_dtype`): row j holds the summed gradient of unique id j
+over all its lookups; rows past n are 0. sum: each lookup gets grad_out[bag] * per_sample_weight; mean:
+grad_out[bag] / (non-padding lookups in bag); max: element d of bag b goes to the lookup at max_pos[b, d] only.
+Padding lookups get nothing. `grad_scale_u [U]` (optional, e.g. 1 / count for `scale_grad_by_freq`) multiplies
+row j's sum by grad_scale_u[j]; entries past the unique count are never read.
 """
 
 import torch
@@ -10,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import backend_for, gpu_shapes, on_device
-from .pooled_forward import MODE_MAX, MODE_MEAN, MODE_SUM, acc_dtype, lookup_rows_of, with_host_rows
+from .pooled_forward import MODE_MAX, MODE_MEAN, MODE_SUM, acc_dtype, lookup_rows_of, tl_acc_dtype, with_host_rows
 
 
 def bag_of_lookup(offsets: torch.Tensor, n_lookups: int) -> torch.Tensor:
@@ -33,8 +35,26 @@ def lookup_scale(inverse, offsets, mode: int, per_sample_weights=None, dtype=tor
     return valid
 
 
-def bag_backward_torch(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None):
-    """Reference segment reduction: returns grad_u [B, D] fp32 (capacity B = lookups)."""
+def scale_live_rows(grad_u, inverse, grad_scale_u):
+    """Reference: multiply row j of grad_u [B, D] by grad_scale_u[j] where unique position j has a lookup (its
+    other entries may be anything, NaN included: never read)."""
+    n_lookups = inverse.numel()
+    live = torch.zeros(n_lookups, dtype=grad_u.dtype, device=inverse.device).index_add_(
+        0, inverse.clamp(min=0), (inverse >= 0).to(grad_u.dtype)) > 0
+    k = min(n_lookups, grad_scale_u.numel())
+    factor = torch.ones(n_lookups, dtype=grad_u.dtype, device=grad_u.device)
+    factor[:k] = grad_scale_u[:k].to(device=grad_u.device, dtype=grad_u.dtype)
+    return grad_u * torch.where(live, factor, 1.0).unsqueeze(1)
+
+
+def bag_backward_torch(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None,
+                       grad_scale_u=None):
+    """Reference segment reduction: returns grad_u [B, D] (capacity B = lookups) in acc_dtype(grad_out.dtype)."""
+    grad_u = _bag_backward_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
+    return grad_u if grad_scale_u is None else scale_live_rows(grad_u, inverse, grad_scale_u)
+
+
+def _bag_backward_torch(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None):
     n_lookups = inverse.numel()
     dim = grad_out.shape[1]
     acc = acc_dtype(grad_out.dtype)
@@ -56,11 +76,21 @@ def bag_backward_torch(grad_out, inverse, offsets, mode: int, per_sample_weights
     return grad_u
 
 
-def unique_grad_torch(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None):
-    """grad_u for the live unique ids only ([n, D] fp32; n read on the host). Sum/mean reduce each unique id's
-    lookups with torch.embedding_bag over grad_out (no [B, D] intermediate); max falls back to the reference."""
+def unique_grad_torch(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None,
+                      grad_scale_u=None):
+    """grad_u for the live unique ids only ([n, D] in acc_dtype(grad_out.dtype); n read on the host), each row
+    times grad_scale_u[j] when given. Sum/mean reduce each unique id's lookups with torch.embedding_bag over
+    grad_out (no [B, D] intermediate); max falls back to the reference."""
+    grad_u = _unique_grad_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
+    if grad_scale_u is None:
+        return grad_u
+    n = grad_u.shape[0]
+    return grad_u * grad_scale_u[:n].to(device=grad_u.device, dtype=grad_u.dtype).unsqueeze(1)
+
+
+def _unique_grad_torch(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None):
     if mode == MODE_MAX:
-        grad_u = bag_backward_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
+        grad_u = _bag_backward_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
         n = int(inverse.max()) + 1 if inverse.numel() else 0
         return grad_u[:n]
     perm, ptr = lookup_groups(inverse)
@@ -101,12 +131,13 @@ def backward_warps(block_l: int, block_d: int) -> int:
 
 @triton.jit
 def segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D,
-                 MODE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
-    """fp32 gradient [BLOCK_D] of one unique id: the sum over its lookups perm[bos:eos] (lookup order).
-    BLOCK_L == 1 (CPU) adds in the reference's sequential order; tiles (GPU) are tree-reduced and accumulated
-    with Kahan compensation, so a hot id's 10^5 lookups do not lose precision to one long running sum."""
-    b_g = tl.zeros([BLOCK_D], dtype=tl.float32)
-    b_c = tl.zeros([BLOCK_D], dtype=tl.float32)
+                 MODE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    """ACC (fp32, or fp64 for an fp64 grad_out) gradient [BLOCK_D] of one unique id: the sum over its lookups
+    perm[bos:eos] (lookup order). BLOCK_L == 1 (CPU) adds in the reference's sequential order; tiles (GPU) are
+    tree-reduced and accumulated with Kahan compensation, so a hot id's 10^5 lookups do not lose precision to
+    one long running sum."""
+    b_g = tl.zeros([BLOCK_D], dtype=ACC)
+    b_c = tl.zeros([BLOCK_D], dtype=ACC)
     for k in range(bos, eos, BLOCK_L):
         o_k = k + tl.arange(0, BLOCK_L).to(tl.int64)
         m_k = o_k < eos
@@ -114,13 +145,13 @@ def segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D,
         b_b = tl.load(bag + b_i, mask=m_k, other=0)
         m_t = m_k[:, None] & m_d[None, :]
         o_t = b_b[:, None] * D + o_d[None, :]
-        b_go = tl.load(grad_out + o_t, mask=m_t, other=0.0).to(tl.float32)
+        b_go = tl.load(grad_out + o_t, mask=m_t, other=0.0).to(ACC)
         if MODE == 2:
             # element d of bag b belongs to the lookup the forward picked as its max
             b_mp = tl.load(max_pos + o_t, mask=m_t, other=-1)
             b_go = tl.where(b_mp == b_i[:, None], b_go, 0.0)
         else:
-            b_go = b_go * tl.load(scale + b_i, mask=m_k, other=0.0)[:, None]
+            b_go = b_go * tl.load(scale + b_i, mask=m_k, other=0.0).to(ACC)[:, None]
         if BLOCK_L > 1:
             b_y = tl.sum(b_go, axis=0) - b_c
             b_t = b_g + b_y
@@ -137,84 +168,99 @@ def bag_backward_kernel(
     perm,  # [B] int64 lookups sorted by unique position
     ptr,  # [B + 1] int64 group starts
     bag,  # [B] int64 bag of each lookup
-    scale,  # [B] fp32 factor on grad_out[bag] per lookup (sum / mean)
+    scale,  # [B] ACC factor on grad_out[bag] per lookup (sum / mean)
     max_pos,  # [n_bags, D] int64 (max mode)
-    grad_u,  # [B, D] fp32
+    gscale,  # [U] factor on each unique id's summed gradient (HAS_GSCALE only)
+    grad_u,  # [B, D] ACC
     D,
     MODE: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    HAS_GSCALE: tl.constexpr,
 ):
     i_u, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
     m_d = o_d < D
     bos, eos = tl.load(ptr + i_u), tl.load(ptr + i_u + 1)
-    b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, MODE, BLOCK_L, BLOCK_D)
+    b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, MODE, BLOCK_L, BLOCK_D, ACC)
+    if HAS_GSCALE:
+        # positions without lookups (past the unique count) keep their 0 and never read their factor
+        b_g = b_g * tl.load(gscale + i_u, mask=eos > bos, other=1.0).to(ACC)
     tl.store(grad_u + i_u * D + o_d, b_g, mask=m_d)
 
 
 def backward_inputs(grad_out, inverse, offsets, mode: int, per_sample_weights, max_pos):
-    """What the segment-reduction kernels read besides grad_out: (perm, ptr, bag, scale, max_pos)."""
+    """What the segment-reduction kernels read besides grad_out: (perm, ptr, bag, scale, max_pos); scale is in
+    acc_dtype(grad_out.dtype)."""
     n_lookups = inverse.numel()
     if mode == MODE_MAX and max_pos is None:
         raise ValueError("max mode needs max_pos from the forward")
     perm, ptr = lookup_groups(inverse)
     bag = bag_of_lookup(offsets, n_lookups)
-    scale = lookup_scale(inverse, offsets, mode, per_sample_weights) if mode != MODE_MAX else inverse
+    acc = acc_dtype(grad_out.dtype)
+    scale = lookup_scale(inverse, offsets, mode, per_sample_weights, acc) if mode != MODE_MAX else inverse
     return perm, ptr, bag, scale, (max_pos if mode == MODE_MAX else grad_out)
 
 
 def _bag_backward_triton(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, block_l=None,
-                         n_rows=None):
+                         n_rows=None, grad_scale_u=None):
     n_lookups, dim = inverse.numel(), grad_out.shape[1]
     n_rows = n_lookups if n_rows is None else n_rows
-    grad_u = torch.empty(n_rows, dim, dtype=torch.float32, device=grad_out.device)
+    grad_u = torch.empty(n_rows, dim, dtype=acc_dtype(grad_out.dtype), device=grad_out.device)
     if n_rows == 0 or n_lookups == 0:
         return grad_u.zero_()
     grad_out = grad_out.contiguous()
     perm, ptr, bag, scale, max_pos = backward_inputs(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
+    has_gscale = grad_scale_u is not None
     block_l = block_l or backward_block_l(grad_out.device)
     block_d = min(triton.next_power_of_2(dim), 128)
     grid = (n_rows, triton.cdiv(dim, block_d))
     with on_device(grad_out):
-        bag_backward_kernel[grid](grad_out, perm, ptr, bag, scale, max_pos.contiguous(), grad_u, dim,
-                                  MODE=mode, BLOCK_L=block_l, BLOCK_D=block_d,
-                                  num_warps=backward_warps(block_l, block_d))
+        bag_backward_kernel[grid](grad_out, perm, ptr, bag, scale, max_pos.contiguous(),
+                                  grad_scale_u.contiguous() if has_gscale else scale, grad_u, dim,
+                                  MODE=mode, BLOCK_L=block_l, BLOCK_D=block_d, ACC=tl_acc_dtype(grad_out.dtype),
+                                  HAS_GSCALE=has_gscale, num_warps=backward_warps(block_l, block_d))
     return grad_u
 
 
 def bag_backward_triton(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None,
-                        n_rows=None):
+                        n_rows=None, grad_scale_u=None):
     """Triton path of bag_backward: one program per (unique position, D-block) sums its lookups' gradients
-    (grouped by a sort, no atomics); positions past the unique count have no lookups and get 0. `n_rows`
-    (the unique count, when known) bounds the output to [n_rows, D] instead of [lookups, D]."""
-    return _bag_backward_triton(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, n_rows=n_rows)
+    (grouped by a sort, no atomics) and scales the sum by grad_scale_u[j] when given; positions past the unique
+    count have no lookups and get 0. `n_rows` (the unique count, when known) bounds the output to [n_rows, D]
+    instead of [lookups, D]."""
+    return _bag_backward_triton(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, n_rows=n_rows,
+                                grad_scale_u=grad_scale_u)
 
 
-def bag_backward(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None, n_rows=None):
-    """grad_u [n_rows or B, D] fp32 (see module docstring)."""
+def bag_backward(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None, n_rows=None,
+                 grad_scale_u=None):
+    """grad_u [n_rows or B, D] in acc_dtype(grad_out.dtype) (see module docstring)."""
     if backend_for(grad_out.device) == "triton":
-        return bag_backward_triton(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, n_rows)
-    grad_u = bag_backward_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
+        return bag_backward_triton(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, n_rows,
+                                   grad_scale_u)
+    grad_u = bag_backward_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, grad_scale_u)
     return grad_u if n_rows is None else grad_u[:n_rows]
 
 
 def per_sample_weights_grad_torch(grad_out, rows, loc_u, inverse, offsets, host_rows=None):
-    """Reference: d loss / d per_sample_weights (sum mode) = <grad_out[bag], row of the lookup>; 0 for padding
-    lookups. Gathers a [lookups, D] intermediate (the Triton path does not)."""
+    """Reference: d loss / d per_sample_weights (sum mode) = <grad_out[bag], row of the lookup> in
+    acc_dtype(rows.dtype); 0 for padding lookups. Gathers a [lookups, D] intermediate (the Triton path does not)."""
     rows, loc_u = with_host_rows(rows, loc_u, host_rows)
     n_lookups = inverse.numel()
     bag = bag_of_lookup(offsets, n_lookups)
-    lookup_rows = rows.index_select(0, lookup_rows_of(loc_u, inverse)).float()
-    dots = (grad_out.float()[bag] * lookup_rows).sum(1)
+    acc = acc_dtype(rows.dtype)
+    lookup_rows = rows.index_select(0, lookup_rows_of(loc_u, inverse)).to(acc)
+    dots = (grad_out.to(acc)[bag] * lookup_rows).sum(1)
     return torch.where(inverse >= 0, dots, 0.0)
 
 
 @triton.jit
 def psw_grad_kernel(grad_out, rows, host_rows, loc_u, inverse, bag, out, B, D,
-                    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[i] = <grad_out[bag[i]], row of lookup i> for BLOCK_L lookups; rows at host locations are read from
-    the host table. Only [B] floats are written: no [B, D] intermediate."""
+                    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    """out[i] = <grad_out[bag[i]], row of lookup i> (in ACC) for BLOCK_L lookups; rows at host locations are read
+    from the host table. Only [B] floats are written: no [B, D] intermediate."""
     o_l = tl.program_id(0).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L).to(tl.int64)
     m_l = o_l < B
     b_u = tl.load(inverse + o_l, mask=m_l, other=-1)
@@ -223,7 +269,7 @@ def psw_grad_kernel(grad_out, rows, host_rows, loc_u, inverse, bag, out, B, D,
     m_h = m_v & (b_r <= -2)
     m_c = m_v & (b_r > -2)
     b_b = tl.load(bag + o_l, mask=m_v, other=0)
-    b_acc = tl.zeros([BLOCK_L], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_L], dtype=ACC)
     for i_d in range(0, tl.cdiv(D, BLOCK_D)):
         o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
         m_d = o_d < D
@@ -232,14 +278,14 @@ def psw_grad_kernel(grad_out, rows, host_rows, loc_u, inverse, bag, out, B, D,
                        other=0.0)
         b_xh = tl.load(host_rows + tl.maximum(-2 - b_r, 0)[:, None] * D + o_d[None, :],
                        mask=m_h[:, None] & m_d[None, :], other=0.0)
-        b_x = tl.where(m_h[:, None], b_xh.to(tl.float32), b_xc.to(tl.float32))
-        b_acc += tl.sum(b_go.to(tl.float32) * b_x, axis=1)
+        b_x = tl.where(m_h[:, None], b_xh.to(ACC), b_xc.to(ACC))
+        b_acc += tl.sum(b_go.to(ACC) * b_x, axis=1)
     tl.store(out + o_l, b_acc, mask=m_l)
 
 
 def per_sample_weights_grad_triton(grad_out, rows, loc_u, inverse, offsets, host_rows=None):
     n_lookups, dim = inverse.numel(), rows.shape[1]
-    out = torch.empty(n_lookups, dtype=torch.float32, device=grad_out.device)
+    out = torch.empty(n_lookups, dtype=acc_dtype(rows.dtype), device=grad_out.device)
     if n_lookups == 0:
         return out
     bag = bag_of_lookup(offsets, n_lookups)
@@ -251,12 +297,13 @@ def per_sample_weights_grad_triton(grad_out, rows, loc_u, inverse, offsets, host
     with on_device(grad_out):
         psw_grad_kernel[(triton.cdiv(n_lookups, block_l),)](
             grad_out.contiguous(), rows.contiguous(), host, loc_u.contiguous(), inverse.contiguous(), bag, out,
-            n_lookups, dim, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4)
+            n_lookups, dim, BLOCK_L=block_l, BLOCK_D=block_d, ACC=tl_acc_dtype(rows.dtype), num_warps=4)
     return out
 
 
 def per_sample_weights_grad(grad_out, rows, loc_u, inverse, offsets, host_rows=None):
-    """d loss / d per_sample_weights (sum mode): <grad_out[bag], row of the lookup>; 0 for padding lookups."""
+    """d loss / d per_sample_weights (sum mode): <grad_out[bag], row of the lookup> in acc_dtype(rows.dtype); 0 for
+    padding lookups."""
     if backend_for(grad_out.device) == "triton":
         return per_sample_weights_grad_triton(grad_out, rows, loc_u, inverse, offsets, host_rows)
     return per_sample_weights_grad_torch(grad_out, rows, loc_u, inverse, offsets, host_rows)

@@ -1,12 +1,15 @@
 """Pooled forward (sum / mean / max) over cache rows.
 
-Inputs for B lookups in `bags` bags: `rows [R, D]` (cache rows, fp32/bf16/fp16), `loc_u [U]` (the row of each
+Inputs for B lookups in `bags` bags: `rows [R, D]` (cache rows, fp32/bf16/fp16/fp64), `loc_u [U]` (the row of each
 unique id), `inverse [B]` (each lookup's unique position; -1 = padding lookup, excluded from pooling and from
 the mean's count), `offsets [bags + 1]` (bag b is lookups offsets[b]:offsets[b+1]; offsets[-1] == B),
-`per_sample_weights [B]` (sum mode only). Accumulation is fp32; the output has rows' dtype.
+`per_sample_weights [B]` (sum mode only). Accumulation is fp32 (fp64 for an fp64 table, `acc_dtype`); the output
+has rows' dtype.
 Max mode also returns `max_pos [bags, D]`: the lookup position holding each element's maximum (first one on
 ties, as torch), -1 for a bag with no non-padding lookup, whose output is 0.
 """
+
+import struct
 
 import torch
 import triton
@@ -28,8 +31,19 @@ def host_loc(x: torch.Tensor) -> torch.Tensor:
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype of the references: fp64 for an fp64 table, else fp32."""
+    """Accumulation dtype of the references and the kernels: fp64 for an fp64 table, else fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def tl_acc_dtype(dtype: torch.dtype):
+    """`acc_dtype` as the Triton dtype the launchers pass as a kernel's ACC constexpr."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def double_bits(x: float) -> int:
+    """A host scalar as the int64 bits of its double, for fp64 kernel math (`scalar_of_bits`): Triton passes a
+    Python float as fp32, which would round an fp64 table's learning rate."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def lookup_rows_of(loc_u: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
@@ -115,6 +129,33 @@ def cast_to(b_x, dtype: tl.constexpr, SOFT_RTNE: tl.constexpr):
 
 
 @triton.jit
+def scalar_of_bits(bits, ACC: tl.constexpr):
+    """A scalar passed as the int64 bits of its double (`double_bits`), as an ACC value (exact in fp64). Under the
+    interpreter an int that fits arrives as int32 (the bits of 0.0): widened first."""
+    return bits.to(tl.int64).to(tl.float64, bitcast=True).to(ACC)
+
+
+@triton.jit
+def ieee_div(x, y):
+    """x / y rounded to nearest in x's dtype (fp32 or fp64), as torch: tl.math.div_rn takes fp32 only, and a
+    plain `/` is approximate in fp32 on the GPU but IEEE (div.rn.f64) in fp64."""
+    if x.dtype == tl.float64:
+        return x / y
+    else:
+        return tl.math.div_rn(x, y)
+
+
+@triton.jit
+def ieee_sqrt(x):
+    """sqrt rounded to nearest in x's dtype (fp32 or fp64): tl.math.sqrt_rn takes fp32 only; fp64 tl.sqrt lowers
+    to the IEEE sqrt.rn.f64."""
+    if x.dtype == tl.float64:
+        return tl.sqrt(x)
+    else:
+        return tl.math.sqrt_rn(x)
+
+
+@triton.jit
 def pooled_forward_kernel(
     rows,  # [R, D] cache rows
     host_rows,  # [N, D] host table (pinned; rows at loc <= -2), same dtype
@@ -158,7 +199,7 @@ def pooled_forward_kernel(
                 b_acc = b_acc + b_x
             n_valid += 1
     if MODE == 1:
-        b_acc = tl.math.div_rn(b_acc, tl.maximum(n_valid, 1).to(ACC))  # IEEE division, as torch
+        b_acc = ieee_div(b_acc, tl.maximum(n_valid, 1).to(ACC))  # IEEE division, as torch
     p_out = out + i_b * D + o_d
     tl.store(p_out, cast_to(b_acc, p_out.dtype.element_ty, SOFT_RTNE), mask=m_d)
     if MODE == 2:
@@ -190,7 +231,7 @@ def pooled_forward_triton(rows, loc_u, inverse, offsets, mode: int, per_sample_w
             rows, host, loc_u.contiguous(), inverse.contiguous(), offsets.contiguous(), psw, out,
             max_pos if max_pos is not None else out, dim,
             BLOCK_D=block_d, MODE=mode, HAS_PSW=has_psw, SOFT_RTNE=soft_rtne(rows.device),
-            ACC=tl.float64 if rows.dtype == torch.float64 else tl.float32,
+            ACC=tl_acc_dtype(rows.dtype),
             num_warps=max(1, min(4, block_d // 128)),
         )
     return out, max_pos

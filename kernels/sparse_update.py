@@ -1,10 +1,13 @@
 """Fused sparse optimizer update of the touched cache rows, in place.
 
-`rows [R, D]` and the optimizer's per-row `states` (each [R, D] or [R, 1], fp32) are indexed by `loc_u`; only
-the first n_uniq entries of `loc_u` / `grad_u` are live. Every rule reproduces the torch sparse optimizer's
+`rows [R, D]` and the optimizer's per-row `states` (each [R, D] or [R, 1], fp32, or fp64 with an fp64 table) are
+indexed by `loc_u`; only the first n_uniq entries of `loc_u` / `grad_u` are live. The update math runs in
+acc_dtype(rows.dtype): fp32, fp64 for an fp64 table. Every rule reproduces the torch sparse optimizer's
 arithmetic order (SGD, Adagrad, SparseAdam) or FBGEMM's (row-wise Adagrad), so cached training equals
 full-table training. `backward_update` is the fused entry point: on Triton one kernel reduces the lookups of
-each unique id and applies the rule; the reference composes bag_backward and sparse_update.
+each unique id and applies the rule; the reference composes bag_backward and sparse_update. Its `grad_scale_u
+[U]` (optional; 1 / count for `scale_grad_by_freq`) multiplies unique id j's summed gradient before the rule
+(so Adagrad / Adam states see the scaled gradient).
 """
 
 import math
@@ -14,9 +17,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .bag_backward import unique_grad_torch, backward_block_l, backward_warps, backward_inputs, bag_backward_torch, segment_grad
+from .bag_backward import unique_grad_torch, backward_block_l, backward_warps, backward_inputs, segment_grad
 from .dispatch import backend_for, on_device, soft_rtne
-from .pooled_forward import HOST_LOC, acc_dtype, cast_to, host_loc
+from .pooled_forward import (
+    HOST_LOC,
+    acc_dtype,
+    cast_to,
+    double_bits,
+    host_loc,
+    ieee_div,
+    ieee_sqrt,
+    scalar_of_bits,
+    tl_acc_dtype,
+)
 
 SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM = "sgd", "adagrad", "rowwise_adagrad", "adam"
 RULE_KINDS = (SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM)
@@ -102,83 +115,106 @@ RULE_IDS = {SGD: 0, ADAGRAD: 1, ROWWISE_ADAGRAD: 2, ADAM: 3}
 
 
 @triton.jit
+def rule_scalars(neg_lr, eps, c1, c2, neg_step, neg_lr_64, eps_64, c1_64, c2_64, neg_step_64, ACC: tl.constexpr):
+    """The rule's scalars in ACC: the fp32 arguments as they are (read in place, no register held: converting
+    int64 bits to fp32 up front made row-wise Adagrad spill on sm_80), or the fp64 ones from their bits."""
+    if ACC == tl.float64:
+        return (scalar_of_bits(neg_lr_64, ACC), scalar_of_bits(eps_64, ACC), scalar_of_bits(c1_64, ACC),
+                scalar_of_bits(c2_64, ACC), scalar_of_bits(neg_step_64, ACC))
+    else:
+        return neg_lr, eps, c1, c2, neg_step
+
+
+@triton.jit
 def apply_rule(rows, s0, s1, i_r, o_d, m_d, D, b_g, b_den, neg_lr, eps, c1, c2, neg_step,
-               RULE: tl.constexpr, SOFT_RTNE: tl.constexpr):
-    """Update columns o_d of row i_r (and its state) with the fp32 gradient b_g, in the reference's order.
-    b_den: row-wise Adagrad's sqrt(state) + eps for the row (unused by the other rules)."""
+               RULE: tl.constexpr, SOFT_RTNE: tl.constexpr, ACC: tl.constexpr):
+    """Update columns o_d of row i_r (and its state) with the ACC gradient b_g, in the reference's order and in
+    ACC (states are read into ACC and stored back in their own dtype). b_den: row-wise Adagrad's
+    sqrt(state) + eps for the row (unused by the other rules); the scalars are ACC values (rule_scalars)."""
     p_w = rows + i_r * D + o_d
-    b_w = tl.load(p_w, mask=m_d, other=0.0).to(tl.float32)
+    b_w = tl.load(p_w, mask=m_d, other=0.0).to(ACC)
     if RULE == 0:
         b_w = b_w + neg_lr * b_g
     elif RULE == 1:
         p_s = s0 + i_r * D + o_d
-        b_s = tl.load(p_s, mask=m_d, other=0.0) + b_g * b_g
-        tl.store(p_s, b_s, mask=m_d)
-        b_w = b_w + neg_lr * tl.math.div_rn(b_g, tl.math.sqrt_rn(b_s) + eps)
+        b_s = tl.load(p_s, mask=m_d, other=0.0).to(ACC) + b_g * b_g
+        tl.store(p_s, b_s.to(p_s.dtype.element_ty), mask=m_d)
+        b_w = b_w + neg_lr * ieee_div(b_g, ieee_sqrt(b_s) + eps)
     elif RULE == 2:
         # addcdiv on CPU: w + (value * g) / denom
-        b_w = b_w + tl.math.div_rn(neg_lr * b_g, b_den)
+        b_w = b_w + ieee_div(neg_lr * b_g, b_den)
     else:
         p_m, p_v = s0 + i_r * D + o_d, s1 + i_r * D + o_d
-        b_m, b_v = tl.load(p_m, mask=m_d, other=0.0), tl.load(p_v, mask=m_d, other=0.0)
+        b_m = tl.load(p_m, mask=m_d, other=0.0).to(ACC)
+        b_v = tl.load(p_v, mask=m_d, other=0.0).to(ACC)
         b_mu = (b_g - b_m) * c1
         b_vu = (b_g * b_g - b_v) * c2
-        tl.store(p_m, b_m + b_mu, mask=m_d)
-        tl.store(p_v, b_v + b_vu, mask=m_d)
-        b_w = b_w + tl.math.div_rn(b_mu + b_m, tl.math.sqrt_rn(b_vu + b_v) + eps) * neg_step
+        tl.store(p_m, (b_m + b_mu).to(p_m.dtype.element_ty), mask=m_d)
+        tl.store(p_v, (b_v + b_vu).to(p_v.dtype.element_ty), mask=m_d)
+        b_w = b_w + ieee_div(b_mu + b_m, ieee_sqrt(b_vu + b_v) + eps) * neg_step
     tl.store(p_w, cast_to(b_w, p_w.dtype.element_ty, SOFT_RTNE), mask=m_d)
 
 
 @triton.jit
-def rowwise_denominator(s0, i_r, b_old, b_sq, D, eps):
+def rowwise_denominator(s0, i_r, b_old, b_sq, D, eps, ACC: tl.constexpr):
     """Row-wise Adagrad: state (b_old, read by the caller before reducing g) += mean(g^2) over the row; returns
     sqrt(state) + eps. Every thread reads the scalar state and all must read it before any writes it: the
     callers load it before the gradient's cross-warp reductions, whose barriers order every warp's read before
     this write. (Read here, a warp that ran late read the new state, added mean(g^2) twice and updated its
     columns with a wrong denominator: seen on an H100 as rare, run-to-run varying rows.)"""
-    b_s = b_old + tl.math.div_rn(b_sq, tl.full([], D, dtype=tl.float32))
-    tl.store(s0 + i_r, b_s)
-    return tl.math.sqrt_rn(b_s) + eps
+    b_s = b_old.to(ACC) + ieee_div(b_sq, tl.full([], D, dtype=ACC))
+    tl.store(s0 + i_r, b_s.to(s0.dtype.element_ty))
+    return ieee_sqrt(b_s) + eps
 
 
-@triton.jit
+# The rule's scalars travel twice: as fp32 arguments (used by fp32 updates, exactly as before fp64 tables) and as
+# the int64 bits of their doubles (double_bits; used by fp64 updates: Triton passes a Python float as fp32).
+# Neither is specialized on its value.
+SCALAR_ARGS = ["neg_lr", "eps", "c1", "c2", "neg_step", "neg_lr_64", "eps_64", "c1_64", "c2_64", "neg_step_64"]
+
+
+@triton.jit(do_not_specialize=SCALAR_ARGS)
 def sparse_update_kernel(
     rows,  # [R, D] updated in place
-    s0,  # first state ([R, D] or [R, 1] fp32), or a dummy
+    s0,  # first state ([R, D] or [R, 1] fp32 / fp64), or a dummy
     s1,  # second state (Adam), or a dummy
     loc_u,  # [U] int64 row of each unique id
-    grad_u,  # [U, D] fp32
+    grad_u,  # [U, D] fp32 / fp64
     n_uniq,  # [1] int64 live entries of loc_u / grad_u
     D,
-    neg_lr, eps, c1, c2, neg_step,
+    neg_lr, eps, c1, c2, neg_step,  # fp32
+    neg_lr_64: tl.int64, eps_64: tl.int64, c1_64: tl.int64, c2_64: tl.int64, neg_step_64: tl.int64,
     RULE: tl.constexpr,
     SOFT_RTNE: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,  # update math: fp32, fp64 for an fp64 table
 ):
     i_u = tl.program_id(0).to(tl.int64)
     if i_u >= tl.load(n_uniq):
         return
+    neg_lr, eps, c1, c2, neg_step = rule_scalars(neg_lr, eps, c1, c2, neg_step, neg_lr_64, eps_64, c1_64, c2_64,
+                                                 neg_step_64, ACC)
     i_r = tl.load(loc_u + i_u).to(tl.int64)
     b_den = 0.0
     if RULE == 2:
         b_old = tl.load(s0 + i_r)
-        b_sq = tl.full([], 0.0, dtype=tl.float32)
+        b_sq = tl.full([], 0.0, dtype=ACC)
         for i_d in range(0, tl.cdiv(D, BLOCK_D)):
             o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
-            b_g = tl.load(grad_u + i_u * D + o_d, mask=o_d < D, other=0.0)
+            b_g = tl.load(grad_u + i_u * D + o_d, mask=o_d < D, other=0.0).to(ACC)
             b_sq += tl.sum(b_g * b_g)
-        b_den = rowwise_denominator(s0, i_r, b_old, b_sq, D, eps)
+        b_den = rowwise_denominator(s0, i_r, b_old, b_sq, D, eps, ACC)
     for i_d in range(0, tl.cdiv(D, BLOCK_D)):
         o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
         m_d = o_d < D
-        b_g = tl.load(grad_u + i_u * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-        apply_rule(rows, s0, s1, i_r, o_d, m_d, D, b_g, b_den, neg_lr, eps, c1, c2, neg_step, RULE, SOFT_RTNE)
+        b_g = tl.load(grad_u + i_u * D + o_d, mask=m_d, other=0.0).to(ACC)
+        apply_rule(rows, s0, s1, i_r, o_d, m_d, D, b_g, b_den, neg_lr, eps, c1, c2, neg_step, RULE, SOFT_RTNE, ACC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SCALAR_ARGS)
 def backward_update_kernel(
     rows,  # [R, D] updated in place
-    s0,  # first state ([R, D] or [R, 1] fp32), or a dummy
+    s0,  # first state ([R, D] or [R, 1] fp32 / fp64), or a dummy
     s1,  # second state (Adam), or a dummy
     host_rows,  # [N, D] host table: rows at host locations (loc <= -2) are updated there, in place
     h0,  # host first state (or the same dummy kind as s0)
@@ -189,51 +225,69 @@ def backward_update_kernel(
     perm,  # [B] int64 lookups sorted by unique position
     ptr,  # [B + 1] int64 group starts
     bag,  # [B] int64 bag of each lookup
-    scale,  # [B] fp32 (sum / mean)
+    scale,  # [B] GACC (sum / mean)
     max_pos,  # [n_bags, D] int64 (max)
+    gscale,  # [U] factor on each unique id's summed gradient (HAS_GSCALE only)
     D,
-    neg_lr, eps, c1, c2, neg_step,
+    neg_lr, eps, c1, c2, neg_step,  # fp32
+    neg_lr_64: tl.int64, eps_64: tl.int64, c1_64: tl.int64, c2_64: tl.int64, neg_step_64: tl.int64,
     MODE: tl.constexpr,
     RULE: tl.constexpr,
     SOFT_RTNE: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    GACC: tl.constexpr,  # gradient reduction: acc_dtype(grad_out.dtype)
+    ACC: tl.constexpr,  # update math: acc_dtype(rows.dtype)
+    HAS_GSCALE: tl.constexpr,
 ):
     i_u = tl.program_id(0).to(tl.int64)
     if i_u >= tl.load(n_uniq):
         return
+    neg_lr, eps, c1, c2, neg_step = rule_scalars(neg_lr, eps, c1, c2, neg_step, neg_lr_64, eps_64, c1_64, c2_64,
+                                                 neg_step_64, ACC)
     i_r = tl.load(loc_u + i_u).to(tl.int64)
     p_rows, p_s0, p_s1 = rows, s0, s1
     if i_r <= -2:
         p_rows, p_s0, p_s1 = host_rows, h0, h1
         i_r = -2 - i_r
     bos, eos = tl.load(ptr + i_u), tl.load(ptr + i_u + 1)
+    b_gs = 1.0
+    if HAS_GSCALE:  # read once up front: read per D-block (after each reduction), max-mode Adam spilled on sm_90
+        b_gs = tl.load(gscale + i_u).to(GACC)
     b_den = 0.0
     if RULE == 2:
         b_old = tl.load(p_s0 + i_r)
         # the row's mean of g^2 comes first: reduce every D-block once (summed across blocks element-wise, then
         # across the lanes), then again to update
-        b_sq = tl.zeros([BLOCK_D], dtype=tl.float32)
+        b_sq = tl.zeros([BLOCK_D], dtype=ACC)
         for i_d in range(0, tl.cdiv(D, BLOCK_D)):
             o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
             b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, o_d < D, D,
-                               MODE, BLOCK_L, BLOCK_D)
+                               MODE, BLOCK_L, BLOCK_D, GACC)
+            if HAS_GSCALE:
+                b_g = b_g * b_gs
+            b_g = b_g.to(ACC)
             b_sq += b_g * b_g
-        b_den = rowwise_denominator(p_s0, i_r, b_old, tl.sum(b_sq), D, eps)
+        b_den = rowwise_denominator(p_s0, i_r, b_old, tl.sum(b_sq), D, eps, ACC)
     for i_d in range(0, tl.cdiv(D, BLOCK_D)):
         o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
         m_d = o_d < D
-        b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, MODE, BLOCK_L, BLOCK_D)
-        apply_rule(p_rows, p_s0, p_s1, i_r, o_d, m_d, D, b_g, b_den, neg_lr, eps, c1, c2, neg_step, RULE,
-                   SOFT_RTNE)
+        b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, MODE, BLOCK_L, BLOCK_D,
+                           GACC)
+        if HAS_GSCALE:
+            b_g = b_g * b_gs
+        apply_rule(p_rows, p_s0, p_s1, i_r, o_d, m_d, D, b_g.to(ACC), b_den, neg_lr, eps, c1, c2, neg_step, RULE,
+                   SOFT_RTNE, ACC)
 
 
 def _rule_args(rows, states, rule: UpdateRule):
     if len(states) != rule.num_states:
         raise ValueError(f"{rule.kind} needs {rule.num_states} state tensor(s), got {len(states)}")
+    allowed = {torch.float32, acc_dtype(rows.dtype)}
     for st in states:
-        if st.dtype != torch.float32 or not st.is_contiguous() or st.shape[0] != rows.shape[0]:
-            raise ValueError(f"optimizer states must be contiguous fp32 [{rows.shape[0]}, D or 1], "
+        if st.dtype not in allowed or not st.is_contiguous() or st.shape[0] != rows.shape[0]:
+            names = " or ".join(sorted(str(d).removeprefix("torch.") for d in allowed))
+            raise ValueError(f"optimizer states must be contiguous {names} [{rows.shape[0]}, D or 1], "
                              f"got {st.dtype} {tuple(st.shape)}")
     if not rows.is_contiguous():
         raise ValueError("rows must be contiguous (updated in place)")
@@ -243,7 +297,9 @@ def _rule_args(rows, states, rule: UpdateRule):
 
 
 def _scalars(rule: UpdateRule):
-    return (-rule.lr, rule.eps, 1 - rule.beta1, 1 - rule.beta2, -rule.step_size)
+    """The kernels' scalar arguments (SCALAR_ARGS): as floats, then as the bits of their doubles."""
+    values = (-rule.lr, rule.eps, 1 - rule.beta1, 1 - rule.beta2, -rule.step_size)
+    return values + tuple(double_bits(x) for x in values)
 
 
 def _update_block_d(dim: int, block_l: int = 1) -> int:
@@ -263,12 +319,12 @@ def sparse_update_triton(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
         sparse_update_kernel[(capacity,)](
             rows, s0, s1, loc_u.contiguous(), grad_u.contiguous(), n_uniq.reshape(1), dim, *_scalars(rule),
             RULE=RULE_IDS[rule.kind], SOFT_RTNE=soft_rtne(rows.device), BLOCK_D=block_d,
-            num_warps=max(1, min(4, block_d // 128)),
+            ACC=tl_acc_dtype(rows.dtype), num_warps=max(1, min(4, block_d // 128)),
         )
 
 
 def _backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode, per_sample_weights,
-                            max_pos, rule, block_l=None, host_rows=None, host_states=None):
+                            max_pos, rule, block_l=None, host_rows=None, host_states=None, grad_scale_u=None):
     capacity, dim = inverse.numel(), rows.shape[1]
     if capacity == 0:
         return
@@ -280,24 +336,27 @@ def _backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offs
         h0, h1 = _rule_args(host_rows, list(host_states), rule)
     grad_out = grad_out.contiguous()
     perm, ptr, bag, scale, max_pos = backward_inputs(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
+    has_gscale = grad_scale_u is not None
     block_l = block_l or backward_block_l(rows.device)
     block_d = _update_block_d(dim, block_l)
     with on_device(rows):
         backward_update_kernel[(capacity,)](
             rows, s0, s1, h_rows, h0, h1, loc_u.contiguous(), n_uniq.reshape(1), grad_out, perm, ptr, bag, scale,
-            max_pos.contiguous(), dim, *_scalars(rule), MODE=mode, RULE=RULE_IDS[rule.kind],
-            SOFT_RTNE=soft_rtne(rows.device), BLOCK_L=block_l, BLOCK_D=block_d,
-            num_warps=backward_warps(block_l, block_d),
+            max_pos.contiguous(), grad_scale_u.contiguous() if has_gscale else scale, dim, *_scalars(rule),
+            MODE=mode, RULE=RULE_IDS[rule.kind], SOFT_RTNE=soft_rtne(rows.device), BLOCK_L=block_l,
+            BLOCK_D=block_d, GACC=tl_acc_dtype(grad_out.dtype), ACC=tl_acc_dtype(rows.dtype),
+            HAS_GSCALE=has_gscale, num_warps=backward_warps(block_l, block_d),
         )
 
 
 def backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode: int,
-                           per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None):
+                           per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None,
+                           grad_scale_u=None):
     """Fused Triton path: one program per unique id (grid = capacity B, those past n_uniq exit) sums the
-    gradient of its lookups (grouped by a stable sort, no atomics) and applies the rule to its row in place:
-    a cache row, or a host row (pinned, through UVA) for a host location."""
+    gradient of its lookups (grouped by a stable sort, no atomics), scales it by grad_scale_u[j] when given, and
+    applies the rule to its row in place: a cache row, or a host row (pinned, through UVA) for a host location."""
     _backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode, per_sample_weights,
-                            max_pos, rule, host_rows=host_rows, host_states=host_states)
+                            max_pos, rule, host_rows=host_rows, host_states=host_states, grad_scale_u=grad_scale_u)
 
 
 def sparse_update(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
@@ -308,19 +367,22 @@ def sparse_update(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
 
 
 def backward_update_torch(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode: int,
-                          per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None):
-    """Reference of the fused op: segment reduction (of the live unique ids only), then the update."""
-    grad_u = unique_grad_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
+                          per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None,
+                          grad_scale_u=None):
+    """Reference of the fused op: segment reduction (of the live unique ids only, scaled by grad_scale_u), then
+    the update."""
+    grad_u = unique_grad_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, grad_scale_u)
     sparse_update_torch(rows, states, loc_u, grad_u, n_uniq, rule, host_rows, host_states)
 
 
 def backward_update(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode: int,
-                    per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None):
+                    per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None,
+                    grad_scale_u=None):
     if backend_for(rows.device) == "triton":
         return backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode,
-                                      per_sample_weights, max_pos, rule, host_rows, host_states)
+                                      per_sample_weights, max_pos, rule, host_rows, host_states, grad_scale_u)
     return backward_update_torch(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode,
-                                 per_sample_weights, max_pos, rule, host_rows, host_states)
+                                 per_sample_weights, max_pos, rule, host_rows, host_states, grad_scale_u)
 
 
 def adam_step_size(lr: float, beta1: float, beta2: float, step: int) -> float:
