@@ -8,9 +8,8 @@ When a batch's unique ids cannot all be resident at once (more misses than free 
 window protects most slots), the rest are served straight from the host table through pinned memory: the
 forward reads those rows there and the fused optimizer updates them (and their state) there, in place, so a
 batch of any size gives the exact result and device memory never grows with the batch (FBGEMM serves its cache
-misses from UVM the same way). Only training through autograd on `cache_weight` (optimizer=None) needs every
-row in a device slot: there the overflow goes to `spill` slots past the C cache slots, sized exactly (one host
-read of the count), and written back before the next batch.
+misses from UVM the same way). Only a caller that needs every row in a device slot asks for `spill` slots past
+the C cache slots, sized exactly (one host read of the count), and written back before the next batch.
 
 Every per-batch step works on fixed-capacity buffers with device-side counts, so on CUDA no step needs a host
 sync. On CPU the counts are read on the host (free there) to skip work, except in the sync-free mode
@@ -22,7 +21,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from cachedemb import kernels
 from cachedemb.host_memory import host_empty, pinned_copy
@@ -75,6 +73,11 @@ class WindowPlan:
     done: object = None
 
 
+def state_dtype(table_dtype: torch.dtype) -> torch.dtype:
+    """Optimizer state is kept in the accumulation dtype: float64 for a float64 table, else float32."""
+    return torch.float64 if table_dtype == torch.float64 else torch.float32
+
+
 def pinned_empty(shape, dtype) -> torch.Tensor:
     """Host memory of exactly this size, registered with CUDA (DMA and zero-copy access) when CUDA exists."""
     return host_empty(shape, dtype, pinned=torch.cuda.is_available())
@@ -96,7 +99,7 @@ class EmbeddingCache:
         self.host_weight = host_weight
         self.host_states: dict[str, torch.Tensor] = {}
         for name, (cols, init) in state_layout.items():
-            state = pinned_empty((num_rows, cols), torch.float32)
+            state = pinned_empty((num_rows, cols), state_dtype(self.dtype))
             state.fill_(init)
             self.host_states[name] = state
         self.host_freq = pinned_empty((num_rows,), torch.int64)
@@ -104,8 +107,8 @@ class EmbeddingCache:
             self.host_freq.zero_()
         else:
             self.host_freq.copy_(host_freq)
-        # The cached rows are a Parameter so the module can expose them to a torch optimizer.
-        self.rows = nn.Parameter(torch.empty(0, dim, dtype=self.dtype, device=self.device), requires_grad=False)
+        self.rows = torch.empty(0, dim, dtype=self.dtype, device=self.device)
+        self.maybe_dirty = False  # host-side: set when rows are marked dirty, cleared by flush / reload
         self.spill_capacity = 0
         self.generation = 0
         self.batch_counter = 0
@@ -131,7 +134,8 @@ class EmbeddingCache:
     def _allocate(self, slots: int) -> None:
         dev = self.device
         self._set_rows(torch.zeros(slots, self.dim, dtype=self.dtype, device=dev))
-        self.states = {name: torch.zeros(slots, h.shape[1], device=dev) for name, h in self.host_states.items()}
+        self.states = {name: torch.zeros(slots, h.shape[1], dtype=h.dtype, device=dev)
+                       for name, h in self.host_states.items()}
         # Per-slot metadata has one trailing "dump" element: masked scatters write there instead of syncing.
         self.slot_ids = torch.full((slots + 1,), -1, dtype=torch.int64, device=dev)
         self.slot_freq = torch.zeros(slots + 1, dtype=torch.int64, device=dev)
@@ -143,10 +147,7 @@ class EmbeddingCache:
         self.index_slots = torch.arange(self.capacity, dtype=torch.int64, device=dev)
 
     def _set_rows(self, data: torch.Tensor) -> None:
-        """Replace the rows in place of the same Parameter object (a torch optimizer holding it keeps working);
-        swapping the whole tensor also resets autograd's recorded shape, which `.data =` would not."""
-        replacement = nn.Parameter(data, requires_grad=self.rows.requires_grad)
-        torch.utils.swap_tensors(self.rows, replacement)
+        self.rows = data
 
     def _grow_spill(self, spill: int) -> None:
         """Make room for `spill` rows past the cache slots (only ever grows; spill slots are empty here)."""
@@ -454,6 +455,7 @@ class EmbeddingCache:
 
     def mark_dirty(self, plan: BatchPlan) -> None:
         """The plan's device rows were written (host-served rows were written in place on the host)."""
+        self.maybe_dirty = True
         live = (torch.arange(plan.loc_u.numel(), device=self.device) < plan.n_uniq) & (plan.loc_u >= 0)
         self.dirty.index_fill_(0, torch.where(live, plan.loc_u, torch.full_like(plan.loc_u, self.dump)), True)
 
@@ -465,6 +467,7 @@ class EmbeddingCache:
         written = self._write_back(slots, self.total_slots)
         self.bump_stats(rows_out=written)
         self.dirty.zero_()
+        self.maybe_dirty = False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.seconds["flush"] += time.perf_counter() - start
@@ -477,7 +480,34 @@ class EmbeddingCache:
         ids = self.slot_ids[: self.capacity]
         self.slot_ids[self.capacity:] = -1
         self.dirty.zero_()
+        self.maybe_dirty = False
         self._fill(ids, slots, self.capacity)
+
+    def refresh(self, plan: BatchPlan) -> None:
+        """Re-read the rows of the plan's resident ids from the host table (O(batch)): for a caller whose host
+        table is the truth and may have been written since the rows were admitted."""
+        live = (torch.arange(plan.loc_u.numel(), device=self.device) < plan.n_uniq) & (plan.loc_u >= 0)
+        src = torch.where(live, plan.uniq, torch.full_like(plan.uniq, -1))
+        kernels.row_copy(self.host_weight, src, self.rows, plan.loc_u, plan.n_uniq)
+
+    def replace_host_table(self, host_weight: torch.Tensor) -> None:
+        """Adopt a new host table (same shape; its dtype becomes the cache's, optimizer state following the
+        accumulation dtype), re-reading every resident row from it. Dirty rows must be flushed first."""
+        if tuple(host_weight.shape) != (self.num_rows, self.dim):
+            raise ValueError(f"host table must have shape ({self.num_rows}, {self.dim}), "
+                             f"got {tuple(host_weight.shape)}")
+        self.host_weight = host_weight
+        if host_weight.dtype != self.dtype:
+            self.dtype = host_weight.dtype
+            self._set_rows(torch.zeros_like(self.rows, dtype=self.dtype))
+            target = state_dtype(self.dtype)
+            for name, host in list(self.host_states.items()):
+                if host.dtype != target:
+                    converted = pinned_empty(tuple(host.shape), target)
+                    converted.copy_(host)
+                    self.host_states[name] = converted
+                    self.states[name] = self.states[name].to(target)
+        self.reload()
 
     def preload(self, ids: torch.Tensor) -> None:
         """Place `ids` (distinct, at most `capacity`) into the first slots of an empty cache."""

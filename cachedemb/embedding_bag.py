@@ -8,23 +8,24 @@ from torch import nn
 
 from cachedemb import kernels
 from cachedemb.cache import BatchPlan, EmbeddingCache, pinned_empty
-from cachedemb.errors import InvalidPaddingIdxError
+from cachedemb.errors import InvalidPaddingIdxError, InvalidWeightShapeError, StaleTableWriteError
 from cachedemb.input_check import BagInput, normalize_bag_input
 from cachedemb.optim import SparseOptimizer
 from cachedemb.policy import Policy
 
 _STEP_KEY = "optimizer.step"
+_TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 class _PooledLookup(torch.autograd.Function):
     """Pooled forward over cache rows; backward either applies the fused optimizer in place (and returns no
-    gradient for the rows) or hands the rows' gradient to autograd (optimizer=None)."""
+    gradient for the table) or returns the table's gradient in id space (optimizer=None)."""
 
     @staticmethod
-    def forward(ctx, owner, plan: BatchPlan, bags: BagInput, rows, psw, anchor):
-        host_rows = owner.cache.host_weight
-        out, max_pos = kernels.pooled_forward(rows, plan.loc_u, plan.inverse, bags.offsets, bags.mode, psw,
-                                              host_rows)
+    def forward(ctx, owner, plan: BatchPlan, bags: BagInput, weight, psw, anchor):
+        cache = owner.cache
+        out, max_pos = kernels.pooled_forward(cache.rows, plan.loc_u, plan.inverse, bags.offsets, bags.mode, psw,
+                                              cache.host_weight)
         ctx.owner, ctx.plan, ctx.bags, ctx.max_pos = owner, plan, bags, max_pos
         ctx.save_for_backward(psw)
         if bags.lead or bags.trail:
@@ -49,25 +50,26 @@ class _PooledLookup(torch.autograd.Function):
         if bags.lead or bags.trail:
             dim = grad_out.shape[1]
             grad_out = torch.cat([grad_out.new_zeros(bags.lead, dim), grad_out, grad_out.new_zeros(bags.trail, dim)])
-        rows = cache.rows.data
         grad_psw = None
         if psw is not None and ctx.needs_input_grad[4]:
-            grad_psw = kernels.per_sample_weights_grad(grad_out, rows, plan.loc_u, plan.inverse, bags.offsets,
+            grad_psw = kernels.per_sample_weights_grad(grad_out, cache.rows, plan.loc_u, plan.inverse, bags.offsets,
                                                        cache.host_weight)
             grad_psw = grad_psw.to(psw.dtype)
         psw_values = psw.detach().reshape(-1) if psw is not None else None
-        grad_rows = None
+        grad_scale = owner._grad_scale(plan)
+        grad_weight = None
         if owner.optimizer is not None:
             owner.optimizer_step += 1
             rule = owner.optimizer.rule(owner.optimizer_step)
             names = list(cache.host_states)
-            kernels.backward_update(rows, [cache.states[k] for k in names], plan.loc_u, plan.n_uniq, grad_out,
+            extra = {"grad_scale_u": grad_scale} if grad_scale is not None else {}
+            kernels.backward_update(cache.rows, [cache.states[k] for k in names], plan.loc_u, plan.n_uniq, grad_out,
                                     plan.inverse, bags.offsets, bags.mode, psw_values, ctx.max_pos, rule,
-                                    cache.host_weight, [cache.host_states[k] for k in names])
+                                    cache.host_weight, [cache.host_states[k] for k in names], **extra)
             cache.mark_dirty(plan)
         elif ctx.needs_input_grad[3]:
-            grad_rows = owner._rows_grad(plan, bags, grad_out, psw_values, ctx.max_pos)
-        return None, None, None, grad_rows, grad_psw, None
+            grad_weight = owner._weight_grad(plan, bags, grad_out, psw_values, ctx.max_pos, grad_scale)
+        return None, None, None, grad_weight, grad_psw, None
 
 
 class CachedEmbeddingBag(nn.Module):
@@ -75,13 +77,23 @@ class CachedEmbeddingBag(nn.Module):
     pinned when CUDA exists, while a device cache holds `cache_rows` (default `cache_ratio` of the rows).
 
     Results equal `nn.EmbeddingBag` on the full table for every mode and input form, at any cache size:
-    a batch with more unique ids than the cache is served through spill slots. With `optimizer=` one of
-    `cachedemb.optim` the touched rows are updated inside backward (fused, one step per backward), with state
-    kept per id, so training equals full-table training. With `optimizer=None` the cached rows are the
-    Parameter `cache_weight` and a plain `torch.optim.SGD(model.parameters())` trains exactly like
-    nn.EmbeddingBag — but a *stateful* torch optimizer (momentum, Adam, Adagrad, weight decay) would keep its
-    state per cache slot, not per id, and leak it to whichever id reuses the slot: use `cachedemb.optim`.
-    In that mode call `optimizer.step()` after each backward (no gradient accumulation across batches).
+    misses that find no free slot are served from the host table in place.
+
+    Two ways to train:
+
+    * `optimizer=` one of `cachedemb.optim` (the fast path): the touched rows and their per-id state are
+      updated inside backward (fused, one step per backward), in the cache, written back on eviction. Training
+      equals full-table training with the same optimizer.
+    * `optimizer=None` (nn.EmbeddingBag's way): `weight` is the module's Parameter — the host table itself —
+      and backward leaves its gradient in id space in `weight.grad`: a sparse COO tensor over the batch's
+      distinct ids with `sparse=True`, else a dense [num_embeddings, dim] host tensor (a full-table buffer and
+      a pass over it per step: use sparse=True for large tables). Any torch optimizer over `parameters()`
+      then trains exactly as with nn.EmbeddingBag, its state per id. Every forward that records a gradient
+      re-reads the batch's rows from the host table, so the table stays the single truth.
+
+    `weight` behaves as nn.EmbeddingBag's: reading `m.weight` writes cached updates back first, and in-place
+    writes through it (also via `.data`, `nn.init`) are seen by the next forward; `m.weight = nn.Parameter(t)`
+    replaces the table.
 
     Example (mode="sum")::
 
@@ -95,33 +107,33 @@ class CachedEmbeddingBag(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,
                  norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean",
                  sparse: bool = False, _weight: torch.Tensor | None = None, include_last_offset: bool = False,
-                 padding_idx: int | None = None, device=None, dtype=None, *, cache_ratio: float = 0.01,
-                 cache_rows: int | None = None, optimizer: SparseOptimizer | None = None,
+                 padding_idx: int | None = None, device=None, dtype=None, *, _freeze: bool = False, cache_ratio: float = 0.01, cache_rows: int | None = None, optimizer: SparseOptimizer | None = None,
                  id_freq: torch.Tensor | None = None, warmup_ratio: float = 0.7, policy: str | Policy = "lfu",
                  validate_inputs: bool = True, stats_history: int = 0, freq_halflife: int | None = None):
         super().__init__()
-        self._check_args(num_embeddings, embedding_dim, max_norm, scale_grad_by_freq, mode, cache_ratio,
-                         cache_rows, optimizer, warmup_ratio, _weight)
+        self._check_args(num_embeddings, embedding_dim, max_norm, norm_type, mode, cache_ratio, cache_rows,
+                         optimizer, warmup_ratio, _weight)
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
-        self.max_norm, self.norm_type, self.scale_grad_by_freq = max_norm, norm_type, scale_grad_by_freq
+        self.max_norm, self.norm_type, self.scale_grad_by_freq = max_norm, norm_type, bool(scale_grad_by_freq)
         self.mode, self.sparse, self.include_last_offset = mode, sparse, include_last_offset
         self.padding_idx = self._check_padding_idx(padding_idx)
         self.optimizer, self.optimizer_step = optimizer, 0
         self.validate_inputs = validate_inputs
         dtype = dtype or (_weight.dtype if _weight is not None else torch.get_default_dtype())
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        if dtype not in _TABLE_DTYPES:
+            raise TypeError(f"dtype must be one of {', '.join(map(str, _TABLE_DTYPES))}, got {dtype}")
         if device is None:
             device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         capacity = int(cache_rows) if cache_rows is not None else math.ceil(cache_ratio * num_embeddings)
         capacity = max(1, min(capacity, num_embeddings))
-        host_weight = self._host_table(_weight, dtype)
+        table = nn.Parameter(self._host_table(_weight, dtype), requires_grad=optimizer is None and not _freeze)
         freq = self._check_id_freq(id_freq)
         state_layout = optimizer.state_layout(embedding_dim) if optimizer is not None else {}
-        self.cache = EmbeddingCache(host_weight, capacity, torch.device(device), state_layout, policy, freq,
+        # The cache writes the table through its own alias (`.data`: a separate version counter), so the
+        # Parameter's version moves only when the user (or a torch optimizer) writes it.
+        self.cache = EmbeddingCache(table.data, capacity, torch.device(device), state_layout, policy, freq,
                                     history=stats_history, freq_halflife=freq_halflife)
-        self.cache_weight = self.cache.rows
-        self.cache_weight.requires_grad_(optimizer is None)
+        self._set_table(table)
         # Fused mode: a zero-size tensor that requires grad makes autograd call our backward.
         self._anchor = torch.zeros(0, requires_grad=True)
         if freq is not None and warmup_ratio > 0:
@@ -131,17 +143,16 @@ class CachedEmbeddingBag(nn.Module):
 
     # ----------------------------------------------------------------- construction helpers
     @staticmethod
-    def _check_args(num_embeddings, embedding_dim, max_norm, scale_grad_by_freq, mode, cache_ratio,
-                    cache_rows, optimizer, warmup_ratio, weight):
-        if not isinstance(num_embeddings, int) or num_embeddings < 1:
+    def _check_args(num_embeddings, embedding_dim, max_norm, norm_type, mode, cache_ratio, cache_rows, optimizer,
+                    warmup_ratio, weight):
+        if isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings < 1:
             raise ValueError(f"num_embeddings must be a positive int, got {num_embeddings!r}")
-        if not isinstance(embedding_dim, int) or embedding_dim < 1:
+        if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
             raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
-        if max_norm is not None:
-            raise NotImplementedError("max_norm is not supported by CachedEmbeddingBag (it would renormalize "
-                                      "host rows in forward); renormalize the table yourself or leave it None")
-        if scale_grad_by_freq:
-            raise NotImplementedError("scale_grad_by_freq=True is not supported by CachedEmbeddingBag")
+        if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
+            raise ValueError(f"max_norm must be a positive number or None, got {max_norm!r}")
+        if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool):
+            raise ValueError(f"norm_type must be a number, got {norm_type!r}")
         if mode not in kernels.MODES:
             raise ValueError(f"mode must be one of {sorted(kernels.MODES)}, got {mode!r}")
         if cache_rows is None and not (isinstance(cache_ratio, (int, float)) and 0 < cache_ratio <= 1):
@@ -154,8 +165,9 @@ class CachedEmbeddingBag(nn.Module):
         if not 0 <= warmup_ratio <= 1:
             raise ValueError(f"warmup_ratio must be in [0, 1], got {warmup_ratio!r}")
         if weight is not None and tuple(weight.shape) != (num_embeddings, embedding_dim):
-            raise ValueError(f"_weight must have shape ({num_embeddings}, {embedding_dim}), "
-                             f"got {tuple(weight.shape)}")
+            raise InvalidWeightShapeError(f"Shape of weight does not match num_embeddings and embedding_dim: "
+                                          f"_weight must have shape ({num_embeddings}, {embedding_dim}), "
+                                          f"got {tuple(weight.shape)}")
 
     def _check_padding_idx(self, padding_idx):
         if padding_idx is None:
@@ -198,50 +210,114 @@ class CachedEmbeddingBag(nn.Module):
                         padding_idx=None, **cache_kwargs) -> "CachedEmbeddingBag":
         """As nn.EmbeddingBag.from_pretrained: rows keep their order; `freeze` means no updates."""
         if embeddings.dim() != 2:
-            raise ValueError(f"embeddings must be 2-D (rows, dim), got shape {tuple(embeddings.shape)}")
+            raise InvalidWeightShapeError(f"Embeddings parameter is expected to be 2-dimensional, got shape "
+                                          f"{tuple(embeddings.shape)}")
         if freeze and cache_kwargs.get("optimizer") is not None:
             raise ValueError("freeze=True with an optimizer: pass freeze=False to train the embeddings")
         rows, dim = embeddings.shape
-        module = cls(rows, dim, max_norm=max_norm, norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq,
-                     mode=mode, sparse=sparse, _weight=embeddings, include_last_offset=include_last_offset,
-                     padding_idx=padding_idx, **cache_kwargs)
-        if freeze:
-            module.cache_weight.requires_grad_(False)
-        return module
+        return cls(rows, dim, max_norm=max_norm, norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq,
+                   mode=mode, sparse=sparse, _weight=embeddings, include_last_offset=include_last_offset,
+                   padding_idx=padding_idx, _freeze=freeze, **cache_kwargs)
 
     # ----------------------------------------------------------------- forward
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         if self.mode == "max" and self.sparse:
             raise ValueError("max mode does not support sparse weights (as nn.EmbeddingBag): use sparse=False")
+        if self.mode == "max" and self.scale_grad_by_freq:
+            raise ValueError("max mode does not support scaling the gradient by the frequency "
+                             "(as nn.EmbeddingBag): use scale_grad_by_freq=False")
+        cache = self.cache
         bags = normalize_bag_input(input, offsets, per_sample_weights, mode=self.mode,
                                    include_last_offset=self.include_last_offset,
-                                   num_embeddings=self.num_embeddings, device=self.cache.device,
+                                   num_embeddings=self.num_embeddings, device=cache.device,
                                    validate=self.validate_inputs, padding_idx=self.padding_idx,
-                                   table_dtype=self.cache.dtype)
-        if bags.invalid_ids is not None:
-            self.cache.bump_stats(invalid_ids=bags.invalid_ids, invalid_offsets=bags.invalid_offsets)
+                                   table_dtype=cache.dtype)
+        table = self._table
         train = torch.is_grad_enabled()
-        grad_rows = train and self.optimizer is None and self.cache_weight.requires_grad
-        plan = self.cache.prepare(bags.ids, bags.pad_id, train=train and self.training, grad_rows=grad_rows)
-        if grad_rows:
-            self.cache.mark_dirty(plan)
-        rows = self.cache_weight
+        weight_grad = train and self.optimizer is None and table.requires_grad
+        self._see_table_writes(refresh_later=weight_grad)
+        if bags.invalid_ids is not None:
+            cache.bump_stats(invalid_ids=bags.invalid_ids, invalid_offsets=bags.invalid_offsets)
+        plan = cache.prepare(bags.ids, bags.pad_id, train=train and self.training)
+        if weight_grad:
+            cache.refresh(plan)
+        if self.max_norm is not None:
+            self._renorm(plan)
         anchor = self._anchor if (train and self.optimizer is not None) else None
-        psw = bags.per_sample_weights
-        return _PooledLookup.apply(self, plan, bags, rows, psw, anchor)
+        return _PooledLookup.apply(self, plan, bags, table if weight_grad else None, bags.per_sample_weights,
+                                   anchor)
 
-    def _rows_grad(self, plan: BatchPlan, bags: BagInput, grad_out, psw, max_pos) -> torch.Tensor:
-        """Gradient of `cache_weight` (optimizer=None mode). Reads the unique count on the host (one sync on
-        CUDA), so the per-unique gradient is [distinct ids, D], never [lookups, D]."""
-        rows = self.cache.rows
+    def _see_table_writes(self, refresh_later: bool) -> None:
+        """Make the cache agree with the host table before a forward, if the table may have been written since
+        it was last read: after `weight` was handed out, or when the Parameter's version moved (an in-place
+        write or a torch optimizer step). A forward that records a gradient re-reads its own rows anyway
+        (`refresh_later`), which is O(batch), so only other forwards re-read every cached row."""
+        table = self._table
+        stale = self._handed_out or table._version != self._seen_version
+        if not stale or refresh_later:
+            return
+        cache = self.cache
+        if cache.maybe_dirty:
+            if not self._handed_out:
+                raise StaleTableWriteError(
+                    "CachedEmbeddingBag: the table was written in place through a reference to `weight` taken "
+                    "before fused optimizer steps whose updated rows are still in the cache; applying either "
+                    "would drop the other. Call `m.flush()` to keep the optimizer's rows (then redo the write), "
+                    "and take `m.weight` again right before writing: reading it writes the cache back first.")
+            cache.flush()  # updates made after `weight` was handed out, by a backward already in flight
+        cache.reload()
+        self._handed_out = False
+        self._seen_version = table._version
+
+    def _grad_scale(self, plan: BatchPlan) -> torch.Tensor | None:
+        """scale_grad_by_freq: each id's gradient divided by its number of lookups in the batch."""
+        if not self.scale_grad_by_freq:
+            return None
+        return 1.0 / plan.counts.clamp(min=1).to(kernels.acc_dtype(self.cache.dtype))
+
+    def _renorm(self, plan: BatchPlan) -> None:
+        """max_norm: rows of the batch whose norm exceeds max_norm are scaled down in place before pooling, as
+        nn.EmbeddingBag does (scale max_norm / (norm + 1e-7)). O(distinct ids); no host sync. With a fused
+        optimizer the cached copies are renormalized (and marked dirty) and host-served rows in place; with
+        optimizer=None the host table is the truth, so its rows are renormalized and re-read into the cache."""
+        cache = self.cache
+        loc, n = plan.loc_u, plan.n_uniq
+        positions = torch.arange(loc.numel(), device=cache.device)
+        live = positions < n
+        if self.optimizer is None:
+            sources = [(cache.host_weight, torch.where(live, plan.uniq, -1))]
+        else:
+            sources = [(cache.rows, torch.where(live & (loc >= 0), loc, -1)),
+                       (cache.host_weight, torch.where(live & (loc <= kernels.HOST_LOC), kernels.host_loc(loc), -1))]
+        rows = torch.zeros(loc.numel(), cache.dim, dtype=cache.dtype, device=cache.device)
+        for table, index in sources:
+            kernels.row_copy(table, index, rows, torch.where(index >= 0, positions, -1), n)
+        norm = torch.linalg.vector_norm(rows, ord=self.norm_type, dim=1)
+        scale = self.max_norm / (norm.to(torch.float64) + 1e-7)
+        rows *= torch.where(norm > self.max_norm, scale, 1.0).to(cache.dtype).unsqueeze(1)
+        for table, index in sources:
+            kernels.row_copy(rows, torch.where(index >= 0, positions, -1), table, index, n)
+        if self.optimizer is None:
+            cache.refresh(plan)
+        else:
+            cache.mark_dirty(plan)
+
+    def _weight_grad(self, plan: BatchPlan, bags: BagInput, grad_out, psw, max_pos, grad_scale) -> torch.Tensor:
+        """The table's gradient in id space (optimizer=None): sparse COO over the batch's distinct ids, or a
+        dense full-table tensor. Reads the distinct-id count on the host (one sync on CUDA) and moves the
+        [distinct ids, D] gradient to the host table's device."""
+        table = self._table
         n = int(plan.n_uniq)
-        grad_u = kernels.bag_backward(grad_out, plan.inverse, bags.offsets, bags.mode, psw, max_pos, n_rows=n)
-        idx = plan.loc_u[:n]
-        values = grad_u[:n].to(rows.dtype)
+        extra = {"grad_scale_u": grad_scale} if grad_scale is not None else {}
+        grad_u = kernels.bag_backward(grad_out, plan.inverse, bags.offsets, bags.mode, psw, max_pos, n_rows=n,
+                                      **extra)
+        ids = plan.uniq[:n].to(table.device)
+        values = grad_u[:n].to(device=table.device, dtype=table.dtype)
         if self.sparse:
-            return torch.sparse_coo_tensor(idx.unsqueeze(0), values, rows.shape, check_invariants=False).coalesce()
-        return torch.zeros_like(rows).index_add_(0, idx, values)
+            grad = torch.sparse_coo_tensor(ids.unsqueeze(0), values, tuple(table.shape), check_invariants=False)
+            return grad._coalesced_(True)
+        return torch.zeros(tuple(table.shape), dtype=table.dtype, device=table.device).index_add_(0, ids, values)
 
     def prefetch_targets(self, batch) -> list[tuple[EmbeddingCache, torch.Tensor]]:
         """The ids this module will look up for `batch`: a tensor of ids, an (input, offsets, ...) tuple, or a
@@ -259,20 +335,61 @@ class CachedEmbeddingBag(nn.Module):
         return [(self.cache, ids[keep])]
 
     # ----------------------------------------------------------------- table access
+    def _set_table(self, table: nn.Parameter) -> None:
+        """Make `table` the module's weight: registered as the Parameter `weight` with optimizer=None (a torch
+        optimizer trains it), held aside with a fused optimizer (which trains it in the cache)."""
+        object.__setattr__(self, "_table", table)
+        self._handed_out, self._seen_version = False, table._version
+        if self.optimizer is None:
+            self._parameters["weight"] = table
+        else:
+            self._parameters.pop("weight", None)
+
+    def __getattr__(self, name: str):
+        if name == "weight" and "_table" in self.__dict__:
+            return self._hand_out_table()
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "weight" and "_table" in self.__dict__:
+            self._replace_table(value)
+            return
+        super().__setattr__(name, value)
+
+    def _hand_out_table(self) -> nn.Parameter:
+        """`m.weight`: the full host table in id order. Cached updates are written back first and the next
+        forward re-reads the cache from the table, so whatever the caller writes into it is seen and kept."""
+        self.cache.flush()
+        self._handed_out = True
+        return self._table
+
+    def _replace_table(self, value) -> None:
+        """`m.weight = nn.Parameter(t)`: t becomes the table (its storage moved to pinned host memory if it
+        is not there); the old table's cached rows are dropped."""
+        if not isinstance(value, nn.Parameter):
+            raise TypeError(f"cannot assign '{torch.typename(value)}' as parameter 'weight' "
+                            "(torch.nn.Parameter expected)")
+        expected = (self.num_embeddings, self.embedding_dim)
+        if tuple(value.shape) != expected:
+            raise InvalidWeightShapeError(f"weight must have shape {expected}, got {tuple(value.shape)}")
+        if value.dtype not in _TABLE_DTYPES:
+            raise TypeError(f"weight dtype must be one of {', '.join(map(str, _TABLE_DTYPES))}, got {value.dtype}")
+        host = self._host_table(value, value.dtype)
+        if host.data_ptr() != value.data_ptr():
+            value.data = host
+        self.cache.dirty.zero_()  # the old table's pending updates go with it
+        self.cache.replace_host_table(value.data)
+        self._set_table(value)
+
     def flush(self) -> None:
         """Write every dirty cached row (and its optimizer state) back to the host table."""
         self.cache.flush()
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """The full table in id order (host memory; reading it flushes the cache first)."""
-        self.cache.flush()
-        return self.cache.host_weight
-
     def to_embedding_bag(self, device=None) -> nn.EmbeddingBag:
         """A plain nn.EmbeddingBag with a copy of the full table (for serving or export); needs the table to
         fit where it goes."""
-        weight = self.weight.detach().to(device=device or "cpu", copy=True)
+        self.cache.flush()
+        weight = self.cache.host_weight.to(device=device or "cpu", copy=True)
         return nn.EmbeddingBag.from_pretrained(weight, freeze=False, mode=self.mode, sparse=self.sparse,
                                                include_last_offset=self.include_last_offset,
                                                padding_idx=self.padding_idx)
@@ -298,7 +415,7 @@ class CachedEmbeddingBag(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         self.cache.flush()
-        destination[prefix + "weight"] = self.cache.host_weight
+        destination[prefix + "weight"] = self._table if keep_vars else self._table.detach()
         if self.optimizer is not None:
             for name, state in self.cache.host_states.items():
                 destination[prefix + f"optimizer.{name}"] = state
@@ -338,14 +455,24 @@ class CachedEmbeddingBag(nn.Module):
         unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in known)
 
     def _apply(self, fn, recurse=True):
-        """`.to()/.cuda()/.cpu()` move the cache only; the host table never goes to the device."""
+        """`.to()/.cuda()/.cpu()` move the cache only: the host table never goes to the device.
+        `.to(dtype)/.half()/.double()...` convert the table (and the cache, and the optimizer state where it
+        follows the table: float64 for a float64 table, else float32)."""
         probe = fn(torch.zeros(1, dtype=self.cache.dtype, device=self.cache.device))
         if probe.dtype != self.cache.dtype:
-            raise NotImplementedError(
-                f"CachedEmbeddingBag cannot change dtype ({self.cache.dtype} -> {probe.dtype}); construct it "
-                "with the dtype you want")
+            if probe.dtype not in _TABLE_DTYPES:
+                raise TypeError(f"CachedEmbeddingBag tables are {', '.join(map(str, _TABLE_DTYPES))}; "
+                                f"cannot convert to {probe.dtype}")
+            self.cache.flush()
+            converted = pinned_empty(tuple(self._table.shape), probe.dtype)
+            converted.copy_(self.cache.host_weight)
+            self._table.data = converted
+            self.cache.replace_host_table(self._table.data)
         self.cache.move_to(probe.device)
-        self.cache_weight = self.cache.rows
+        if self.cache.host_weight.data_ptr() != self._table.data_ptr():  # moved into pinned memory
+            self._table.data = self.cache.host_weight
+            self.cache.host_weight = self._table.data
+        self._seen_version = self._table._version
         return self
 
     def extra_repr(self) -> str:

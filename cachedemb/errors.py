@@ -21,3 +21,12 @@ class UnsupportedModeError(ValueError, NotImplementedError):
 
 class InvalidPaddingIdxError(ValueError, AssertionError):
     """padding_idx outside [-num_embeddings, num_embeddings) (nn.EmbeddingBag: AssertionError)."""
+
+
+class InvalidWeightShapeError(ValueError, AssertionError):
+    """_weight of another shape than (num_embeddings, embedding_dim) (nn.EmbeddingBag: AssertionError)."""
+
+
+class StaleTableWriteError(RuntimeError):
+    """The host table was written through a reference to `weight` held across fused training steps whose
+    updates are still in the cache: applying either would silently drop the other."""
