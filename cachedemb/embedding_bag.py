@@ -39,7 +39,8 @@ class _PooledLookup(torch.autograd.Function):
         plan, bags = ctx.plan, ctx.bags
         (psw,) = ctx.saved_tensors
         cache = owner.cache
-        if plan.generation != cache.generation:
+        fused = owner.optimizer is not None
+        if fused and plan.generation != cache.generation:
             raise RuntimeError(
                 "CachedEmbeddingBag: backward of a batch whose cache rows were moved by a later forward or "
                 f"prefetch admission (batch generation {plan.generation}, cache generation {cache.generation}). "
@@ -52,13 +53,16 @@ class _PooledLookup(torch.autograd.Function):
             grad_out = torch.cat([grad_out.new_zeros(bags.lead, dim), grad_out, grad_out.new_zeros(bags.trail, dim)])
         grad_psw = None
         if psw is not None and ctx.needs_input_grad[4]:
-            grad_psw = kernels.per_sample_weights_grad(grad_out, cache.rows, plan.loc_u, plan.inverse, bags.offsets,
+            # With optimizer=None the host table is the truth and cache slots may have moved since the
+            # forward (backward may follow later forwards, as autograd allows): read every row on the host.
+            loc = plan.loc_u if fused else torch.where(plan.uniq >= 0, kernels.host_loc(plan.uniq), -1)
+            grad_psw = kernels.per_sample_weights_grad(grad_out, cache.rows, loc, plan.inverse, bags.offsets,
                                                        cache.host_weight)
             grad_psw = grad_psw.to(psw.dtype)
         psw_values = psw.detach().reshape(-1) if psw is not None else None
         grad_scale = owner._grad_scale(plan)
         grad_weight = None
-        if owner.optimizer is not None:
+        if fused:
             owner.optimizer_step += 1
             rule = owner.optimizer.rule(owner.optimizer_step)
             names = list(cache.host_states)
@@ -174,7 +178,8 @@ class CachedEmbeddingBag(nn.Module):
             return None
         n = self.num_embeddings
         if not -n <= padding_idx < n:
-            raise InvalidPaddingIdxError(f"padding_idx must be within [-{n}, {n}), got {padding_idx}")
+            raise InvalidPaddingIdxError(f"padding_idx must be within num_embeddings: [-{n}, {n}), "
+                                         f"got {padding_idx}")
         return padding_idx + n if padding_idx < 0 else padding_idx
 
     def _check_id_freq(self, id_freq):
@@ -245,8 +250,13 @@ class CachedEmbeddingBag(nn.Module):
         if self.max_norm is not None:
             self._renorm(plan)
         anchor = self._anchor if (train and self.optimizer is not None) else None
-        return _PooledLookup.apply(self, plan, bags, table if weight_grad else None, bags.per_sample_weights,
-                                   anchor)
+        out = _PooledLookup.apply(self, plan, bags, table if weight_grad else None, bags.per_sample_weights,
+                                  anchor)
+        if bags.last_bag_scale is not None and out.shape[0] > 0:
+            factor = torch.ones(out.shape[0], 1, dtype=torch.float64, device=out.device)
+            factor[-1] = bags.last_bag_scale
+            out = out * factor.to(out.dtype)
+        return out
 
     def _see_table_writes(self, refresh_later: bool) -> None:
         """Make the cache agree with the host table before a forward, if the table may have been written since
@@ -317,7 +327,7 @@ class CachedEmbeddingBag(nn.Module):
         if self.sparse:
             grad = torch.sparse_coo_tensor(ids.unsqueeze(0), values, tuple(table.shape), check_invariants=False)
             return grad._coalesced_(True)
-        return torch.zeros(tuple(table.shape), dtype=table.dtype, device=table.device).index_add_(0, ids, values)
+        return torch.zeros(tuple(table.shape), dtype=table.dtype, device=table.device).index_add(0, ids, values)
 
     def prefetch_targets(self, batch) -> list[tuple[EmbeddingCache, torch.Tensor]]:
         """The ids this module will look up for `batch`: a tensor of ids, an (input, offsets, ...) tuple, or a

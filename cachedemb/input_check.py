@@ -35,6 +35,10 @@ class BagInput:
     trail: int = 0  # phantom bags after them
     invalid_ids: torch.Tensor | None = None  # [1] ids turned into padding (unvalidated inputs)
     invalid_offsets: torch.Tensor | None = None  # [1] offsets clamped
+    # include_last_offset with offsets[-1] < len(input), mode="mean", no padding_idx: nn.EmbeddingBag sums the
+    # last bag up to offsets[-1] but divides by its lookups up to the input's end; the factor that turns our
+    # mean of the last bag into that (a float, or a [1] device tensor when offsets were not read).
+    last_bag_scale: float | torch.Tensor | None = None
 
     @property
     def num_bags(self) -> int:
@@ -60,7 +64,7 @@ def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, includ
     if per_sample_weights is not None:
         _check_per_sample_weights(per_sample_weights, input, mode, table_dtype)
     lead = trail = 0
-    bad_offsets = None
+    bad_offsets = last_bag_scale = None
     if input.dim() == 2:
         if offsets is not None:
             raise ValueError("if input is 2-D (bags x ids per bag), offsets must be None, "
@@ -79,11 +83,23 @@ def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, includ
         ids = input
         n = input.numel()
         offs = offsets.to(torch.int64)
+        # include_last_offset with offsets[-1] < len(input): nn.EmbeddingBag's last bag runs to the input's end
+        # with padding_idx or in max mode; otherwise it ends at offsets[-1] (a mean still divides by the lookups
+        # up to the input's end). Lookups past offsets[-1] are otherwise ignored.
+        extend_last = include_last_offset and offs.numel() > 1 and (padding_idx is not None or mode == "max")
         if check_values:
             if offs.numel() > 0:
-                _check_offsets(offs.cpu(), n)
-                if include_last_offset and int(offs[-1]) < n:
-                    ids = input[: int(offs[-1])]
+                host_offs = offs.cpu()
+                _check_offsets(host_offs, n)
+                end = int(host_offs[-1])
+                if include_last_offset and end < n:
+                    if extend_last:
+                        offs = torch.cat([offs[:-1], torch.full((1,), n, dtype=torch.int64)])
+                    else:
+                        ids = input[:end]
+                        if mode == "mean" and offs.numel() > 1:
+                            start = int(host_offs[-2])
+                            last_bag_scale = (end - start) / (n - start)
             offs = offs.to(device)
             full = offs if include_last_offset else torch.cat(
                 [offs, torch.full((1,), n, dtype=torch.int64, device=device)])
@@ -95,8 +111,14 @@ def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, includ
             bad_offsets = (fixed != offs).sum().reshape(1)
             zero = torch.zeros(1, dtype=torch.int64, device=device)
             end = torch.full((1,), n, dtype=torch.int64, device=device)
-            full = torch.cat([zero, fixed, end])
             lead, trail = 1, int(include_last_offset)
+            if extend_last:
+                full, trail = torch.cat([zero, fixed[:-1], end]), 0
+            else:
+                full = torch.cat([zero, fixed, end])
+                if include_last_offset and mode == "mean" and fixed.numel() > 1:
+                    start = fixed[-2:-1]
+                    last_bag_scale = ((fixed[-1:] - start) / (n - start).clamp(min=1)).to(torch.float64)
     else:
         raise ValueError(f"input must be 1-D (with offsets) or 2-D, got {input.dim()}-D shape {tuple(input.shape)}")
 
@@ -114,7 +136,8 @@ def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, includ
     ids = ids.reshape(-1).to(device=device, dtype=torch.int64).contiguous()
     full = full.contiguous()
     if check_values:
-        return BagInput(ids, full, kernels.MODES[mode], psw, psw_shape, pad_id=padding_idx)
+        return BagInput(ids, full, kernels.MODES[mode], psw, psw_shape, pad_id=padding_idx,
+                        last_bag_scale=last_bag_scale)
     # Unvalidated: out-of-range ids and lookups outside every bag become padding, counted on the device.
     pad_id = padding_idx if padding_idx is not None else -1
     out_of_range = (ids < 0) | (ids >= num_embeddings)
@@ -127,7 +150,7 @@ def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, includ
     if bad_offsets is None:
         bad_offsets = torch.zeros(1, dtype=torch.int64, device=device)
     return BagInput(ids, full, kernels.MODES[mode], psw, psw_shape, pad_id=pad_id, lead=lead, trail=trail,
-                    invalid_ids=invalid, invalid_offsets=bad_offsets)
+                    invalid_ids=invalid, invalid_offsets=bad_offsets, last_bag_scale=last_bag_scale)
 
 
 def _check_per_sample_weights(per_sample_weights, input, mode: str, table_dtype=None) -> None:
@@ -135,12 +158,12 @@ def _check_per_sample_weights(per_sample_weights, input, mode: str, table_dtype=
         raise InvalidInputTypeError("per_sample_weights must be a floating-point tensor, got "
                                     f"{getattr(per_sample_weights, 'dtype', type(per_sample_weights).__name__)}")
     if table_dtype is not None and per_sample_weights.dtype != table_dtype:
-        raise InvalidInputTypeError(f"per_sample_weights must have the table's dtype {table_dtype}, got "
-                                    f"{per_sample_weights.dtype} (nn.EmbeddingBag refuses the mix too)")
+        raise InvalidInputTypeError(f"per_sample_weights ({per_sample_weights.dtype}) must have the same type as "
+                                    f"the table's weight ({table_dtype}), as in nn.EmbeddingBag")
     if mode != "sum":
         raise UnsupportedModeError(f"per_sample_weights is only supported for mode='sum', got mode={mode!r}")
     if tuple(per_sample_weights.shape) != tuple(input.shape):
-        raise ValueError(f"per_sample_weights must have the input's shape {tuple(input.shape)}, "
+        raise ValueError(f"per_sample_weights must have the same shape as the input: shape {tuple(input.shape)}, "
                          f"got {tuple(per_sample_weights.shape)}")
 
 

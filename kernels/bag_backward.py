@@ -63,17 +63,19 @@ def _bag_backward_torch(grad_out, inverse, offsets, mode: int, per_sample_weight
     if mode == MODE_MAX:
         if max_pos is None:
             raise ValueError("max mode needs max_pos from the forward")
+        if n_lookups == 0:
+            return grad_u
         has = max_pos >= 0
         target = inverse[max_pos.clamp(min=0)]
         has &= target >= 0
         flat = (target.clamp(min=0) * dim + torch.arange(dim, device=grad_out.device)).reshape(-1)
-        grad_u.view(-1).index_add_(0, flat, torch.where(has, grad_out, 0.0).reshape(-1))
-        return grad_u
+        # Out of place, so the reference also runs under vmap (batched gradients: gradcheck, torch.func).
+        return grad_u.reshape(-1).index_add(0, flat, torch.where(has, grad_out, 0.0).reshape(-1)).reshape(
+            n_lookups, dim)
     bag = bag_of_lookup(offsets, n_lookups)
     scale = lookup_scale(inverse, offsets, mode, per_sample_weights, acc)
     contrib = grad_out[bag] * scale.unsqueeze(1)
-    grad_u.index_add_(0, inverse.clamp(min=0), contrib)
-    return grad_u
+    return grad_u.index_add(0, inverse.clamp(min=0), contrib)
 
 
 def unique_grad_torch(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None,
@@ -236,8 +238,9 @@ def bag_backward_triton(grad_out, inverse, offsets, mode: int, per_sample_weight
 
 def bag_backward(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None, n_rows=None,
                  grad_scale_u=None):
-    """grad_u [n_rows or B, D] in acc_dtype(grad_out.dtype) (see module docstring)."""
-    if backend_for(grad_out.device) == "triton":
+    """grad_u [n_rows or B, D] in acc_dtype(grad_out.dtype) (see module docstring). A grad_out batched by vmap
+    (torch.func / gradcheck's batched-gradient check) takes the reference, made of vmap-able torch ops."""
+    if backend_for(grad_out.device) == "triton" and not torch._C._functorch.is_batchedtensor(grad_out):
         return bag_backward_triton(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, n_rows,
                                    grad_scale_u)
     grad_u = bag_backward_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, grad_scale_u)
