@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from cachedemb import kernels
-from cachedemb.cache import BatchPlan, EmbeddingCache, pinned_empty
+from cachedemb.cache import BatchPlan, EmbeddingCache, pinned_empty, state_dtype
 from cachedemb.errors import InvalidPaddingIdxError, InvalidWeightShapeError, StaleTableWriteError
 from cachedemb.input_check import BagInput, normalize_bag_input
 from cachedemb.optim import SparseOptimizer
@@ -284,7 +284,7 @@ class CachedEmbeddingBag(nn.Module):
         """scale_grad_by_freq: each id's gradient divided by its number of lookups in the batch."""
         if not self.scale_grad_by_freq:
             return None
-        return 1.0 / plan.counts.clamp(min=1).to(kernels.acc_dtype(self.cache.dtype))
+        return 1.0 / plan.counts.clamp(min=1).to(state_dtype(self.cache.dtype))
 
     def _renorm(self, plan: BatchPlan) -> None:
         """max_norm: rows of the batch whose norm exceeds max_norm are scaled down in place before pooling, as

@@ -1,0 +1,301 @@
+"""CachedEmbeddingBag as nn.EmbeddingBag in the places users touch besides forward: `weight` (writes, replacement,
+its id-space gradient under torch optimizers), dtype conversions, max_norm, scale_grad_by_freq, include_last_offset
+with lookups past offsets[-1], and exception types. Each against nn.EmbeddingBag / nn.Embedding or a brute-force
+float64 computation, on both kernel backends (Triton under the interpreter) and both sizing rules."""
+import pytest
+import torch
+from torch import nn
+
+import cachedemb
+from cachedemb.errors import StaleTableWriteError
+
+pytestmark = [pytest.mark.usefixtures("sizing_mode")]
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv("CACHEDEMB_BACKEND", request.param)
+    return request.param
+
+
+def pair(num=12, dim=4, cache_rows=3, seed=0, dtype=torch.float32, **kw):
+    """nn.EmbeddingBag and ours on the same table (ours caches fewer rows than a batch touches)."""
+    torch.manual_seed(seed)
+    ref = nn.EmbeddingBag(num, dim, dtype=dtype, **kw)
+    ours = cachedemb.CachedEmbeddingBag(num, dim, cache_rows=cache_rows, device="cpu", dtype=dtype,
+                                        _weight=ref.weight.detach().clone(), **kw)
+    return ref, ours
+
+
+def batch(seed, num=12, lookups=10):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, num, (lookups,), generator=g)
+    return ids, torch.tensor([0, 3, 3, 7])
+
+
+# ----------------------------------------------------------------- weight
+@pytest.mark.parametrize("write", ["setitem", "init", "data_copy", "held_data"])
+def test_weight_writes_are_seen_and_kept(backend, write):
+    ref, ours = pair(mode="sum")
+    ids, offsets = batch(1)
+    ours(ids, offsets).sum().backward()  # rows of the batch are cached now
+    held = ours.weight
+    ours(ids, offsets)
+    row = int(ids[0])
+    value = torch.arange(4.0)
+    with torch.no_grad():
+        if write == "setitem":
+            ours.weight[row] = value
+        elif write == "init":
+            nn.init.constant_(ours.weight, 0.5)
+        elif write == "data_copy":
+            ours.weight.data.copy_(torch.full((12, 4), 2.0))
+        else:
+            held.data[row] = value  # through .data of a reference taken before the last forward
+    expected = ours.cache.host_weight.clone()
+    ref.weight.data.copy_(expected)
+    torch.testing.assert_close(ours(ids, offsets), ref(ids, offsets), rtol=0, atol=0)
+    ours.flush()
+    assert torch.equal(ours.cache.host_weight, expected)  # a flush never writes a stale cached row over it
+    state = ours.state_dict()["weight"]
+    assert torch.equal(state, expected)
+
+
+def test_weight_write_reaches_rows_updated_by_the_fused_optimizer(backend):
+    """Fused training, then `m.weight` (which writes the cache back), then a write: nothing is lost."""
+    ours = cachedemb.CachedEmbeddingBag(12, 4, mode="sum", cache_rows=3, device="cpu",
+                                        optimizer=cachedemb.optim.SGD(lr=0.5))
+    ids, offsets = batch(2)
+    before = ours.cache.host_weight.clone()
+    ours(ids, offsets).sum().backward()
+    trained = ours.weight.detach().clone()  # flushes: the update is in the table
+    assert not torch.equal(trained, before)
+    with torch.no_grad():
+        ours.weight[int(ids[0])] = 9.0
+    trained[int(ids[0])] = 9.0
+    with torch.no_grad():
+        out = ours(ids, offsets)
+    ref = nn.EmbeddingBag.from_pretrained(trained, mode="sum")
+    torch.testing.assert_close(out, ref(ids, offsets), rtol=0, atol=0)
+
+
+def test_write_through_stale_reference_with_pending_fused_updates_refuses(backend):
+    ours = cachedemb.CachedEmbeddingBag(12, 4, mode="sum", cache_rows=12, device="cpu",
+                                        optimizer=cachedemb.optim.SGD(lr=0.5))
+    ids, offsets = batch(3)
+    held = ours.weight
+    ours(ids, offsets).sum().backward()  # updates cached rows (not written back)
+    with torch.no_grad():
+        held[0] = 1.0  # a version-counted write through the old reference
+    host = ours.cache.host_weight.clone()
+    with pytest.raises(StaleTableWriteError, match="m.weight"):
+        ours(ids, offsets)
+    assert torch.equal(ours.cache.host_weight, host)  # refused before any state changed
+    ours.flush()  # the user keeps the optimizer's rows; the cache is clean again
+    ours(ids, offsets)
+
+
+def test_weight_assignment_replaces_the_table(backend):
+    ref, ours = pair(mode="mean")
+    ids, offsets = batch(4)
+    ours(ids, offsets)
+    new = torch.randn(12, 4)
+    ours.weight = nn.Parameter(new.clone())
+    ref.weight = nn.Parameter(new.clone())
+    torch.testing.assert_close(ours(ids, offsets), ref(ids, offsets), rtol=0, atol=0)
+    assert [name for name, _ in ours.named_parameters()] == ["weight"]
+    with pytest.raises(TypeError, match="Parameter"):
+        ours.weight = torch.zeros(12, 4)
+    with pytest.raises(AssertionError):
+        ours.weight = nn.Parameter(torch.zeros(11, 4))
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_weight_grad_in_id_space_and_torch_optimizers(backend, mode, sparse):
+    if sparse and mode == "max":
+        pytest.skip("nn.EmbeddingBag refuses max with sparse gradients")
+    ref, ours = pair(mode=mode, sparse=sparse, padding_idx=2)
+    make = (lambda p: torch.optim.SparseAdam(p, lr=0.05)) if sparse else (lambda p: torch.optim.Adam(p, lr=0.05))
+    opt_ref, opt_ours = make(ref.parameters()), make(ours.parameters())
+    for step in range(4):
+        ids, offsets = batch(10 + step)
+        g = torch.randn(4, 4)
+        ref(ids, offsets).backward(g)
+        ours(ids, offsets).backward(g)
+        got, want = ours.weight.grad, ref.weight.grad
+        assert got.is_sparse == sparse
+        if sparse:
+            got, want = got.to_dense(), want.to_dense()
+            assert ours.weight.grad._nnz() == len(set(ids.tolist()) - {2})  # distinct ids, padding excluded
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        opt_ref.step()
+        opt_ours.step()
+        opt_ref.zero_grad()
+        opt_ours.zero_grad()
+        assert ours.weight.grad is None
+    torch.testing.assert_close(ours.weight, ref.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_backward_after_later_forwards_with_optimizer_none(backend):
+    """Autograd allows several forwards before their backwards; the id-space gradient does not need the
+    cache slots of the first forward."""
+    ref, ours = pair(mode="sum")
+    outs = []
+    for seed in (20, 21, 22):
+        ids, offsets = batch(seed)
+        w = torch.rand(ids.numel(), requires_grad=True)
+        outs.append((ref(ids, offsets, w), ours(ids, offsets, w.detach().clone().requires_grad_()), w))
+    for r, o, _ in outs:
+        r.sum().backward()
+        o.sum().backward()
+    torch.testing.assert_close(ours.weight.grad, ref.weight.grad, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------- dtypes
+@pytest.mark.parametrize("target", [torch.float64, torch.float16, torch.bfloat16])
+def test_dtype_conversions(backend, target):
+    ref, ours = pair(mode="sum")
+    ids, offsets = batch(5)
+    ours(ids, offsets)
+    converted = {torch.float64: ours.double, torch.float16: ours.half, torch.bfloat16: ours.bfloat16}[target]()
+    assert converted is ours and ours.weight.dtype == target and ours.cache.rows.dtype == target
+    ref = ref.to(target)
+    out = ours(ids, offsets)
+    assert out.dtype == target
+    torch.testing.assert_close(out, ref(ids, offsets))
+    ours.float()
+    assert ours.weight.dtype == torch.float32
+    torch.testing.assert_close(ours(ids, offsets), ref.float()(ids, offsets))
+
+
+@pytest.mark.parametrize("optimizer", [None, "adagrad"])
+def test_float64_table_trains_like_nn(backend, optimizer):
+    torch.manual_seed(0)
+    ref = nn.EmbeddingBag(12, 4, mode="mean", dtype=torch.float64, sparse=True)
+    ours = cachedemb.CachedEmbeddingBag.from_pretrained(
+        ref.weight.detach().clone(), freeze=False, mode="mean", sparse=True, cache_rows=3, device="cpu",
+        optimizer=cachedemb.optim.Adagrad(lr=0.1) if optimizer else None)
+    assert ours.cache.host_states.get("sum", torch.zeros(0, dtype=torch.float64)).dtype == torch.float64
+    opt_ref = torch.optim.Adagrad(ref.parameters(), lr=0.1)
+    opt_ours = None if optimizer else torch.optim.Adagrad(ours.parameters(), lr=0.1)
+    for step in range(3):
+        ids, offsets = batch(30 + step)
+        g = torch.randn(4, 4, dtype=torch.float64)
+        ref(ids, offsets).backward(g)
+        ours(ids, offsets).backward(g)
+        opt_ref.step()
+        opt_ref.zero_grad()
+        if opt_ours:
+            opt_ours.step()
+            opt_ours.zero_grad()
+    torch.testing.assert_close(ours.weight, ref.weight, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------- max_norm, scale_grad_by_freq
+@pytest.mark.parametrize("optimizer", [None, "sgd"])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0])
+def test_max_norm_renormalizes_looked_up_rows(backend, optimizer, norm_type):
+    torch.manual_seed(0)
+    table = torch.randn(12, 4) * 3
+    ref = nn.EmbeddingBag.from_pretrained(table.clone(), freeze=False, max_norm=1.5, norm_type=norm_type,
+                                          mode="sum")
+    ours = cachedemb.CachedEmbeddingBag.from_pretrained(
+        table.clone(), freeze=False, max_norm=1.5, norm_type=norm_type, mode="sum", cache_rows=2, device="cpu",
+        optimizer=cachedemb.optim.SGD(lr=0.1) if optimizer else None)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_ours = None if optimizer else torch.optim.SGD(ours.parameters(), lr=0.1)
+    for step in range(3):
+        ids, offsets = batch(40 + step)
+        g = torch.randn(4, 4)
+        a, b = ref(ids, offsets), ours(ids, offsets)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        a.backward(g)
+        b.backward(g)
+        opt_ref.step()
+        opt_ref.zero_grad()
+        if opt_ours:
+            opt_ours.step()
+            opt_ours.zero_grad()
+    torch.testing.assert_close(ours.weight, ref.weight, rtol=1e-5, atol=1e-5)
+    untouched = torch.ones(12, dtype=torch.bool)
+    untouched[torch.cat([batch(40 + s)[0] for s in range(3)])] = False
+    assert torch.equal(ours.weight[untouched], table[untouched])  # only looked-up rows change
+
+
+def brute_force_grad(table, ids, offsets, mode, g, psw=None, scale_by_freq=False):
+    """d(sum(out * g))/d table in float64 from the definition: bag b pools ids[offsets[b]:offsets[b+1]]."""
+    grad = torch.zeros(table.shape, dtype=torch.float64)
+    counts = torch.bincount(ids, minlength=table.shape[0]).to(torch.float64)
+    bounds = offsets.tolist() + [ids.numel()]
+    for b in range(len(offsets)):
+        lo, hi = bounds[b], bounds[b + 1]
+        for j in range(lo, hi):
+            i = int(ids[j])
+            w = 1.0 / (hi - lo) if mode == "mean" else (float(psw[j]) if psw is not None else 1.0)
+            grad[i] += w * g[b].to(torch.float64) / (counts[i] if scale_by_freq else 1.0)
+    return grad
+
+
+@pytest.mark.parametrize("mode,weighted", [("sum", False), ("sum", True), ("mean", False)])
+def test_scale_grad_by_freq(backend, mode, weighted):
+    torch.manual_seed(0)
+    table = torch.randn(12, 4)
+    ids, offsets = batch(50, lookups=14)
+    ids[:5] = 3  # a hot id
+    psw = torch.rand(ids.numel()) if weighted else None
+    g = torch.randn(4, 4)
+    ours = cachedemb.CachedEmbeddingBag.from_pretrained(table.clone(), freeze=False, mode=mode,
+                                                        scale_grad_by_freq=True, cache_rows=2, device="cpu")
+    ours(ids, offsets, psw).backward(g)
+    want = brute_force_grad(table, ids, offsets, mode, g, psw, scale_by_freq=True)
+    torch.testing.assert_close(ours.weight.grad.to(torch.float64), want, rtol=1e-6, atol=1e-6)
+    # The fused optimizer applies the same scaled gradient.
+    fused = cachedemb.CachedEmbeddingBag.from_pretrained(table.clone(), freeze=False, mode=mode,
+                                                         scale_grad_by_freq=True, cache_rows=2, device="cpu",
+                                                         optimizer=cachedemb.optim.SGD(lr=1.0))
+    fused(ids, offsets, psw).backward(g)
+    torch.testing.assert_close(fused.weight.to(torch.float64), table.to(torch.float64) - want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="max mode"):
+        cachedemb.CachedEmbeddingBag(12, 4, mode="max", scale_grad_by_freq=True, device="cpu")(ids, offsets)
+
+
+# ----------------------------------------------------------------- include_last_offset past offsets[-1]
+@pytest.mark.parametrize("padding_idx", [None, 3])
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("validate", [True, False])
+def test_include_last_offset_with_lookups_past_the_last_offset(backend, mode, padding_idx, validate):
+    ref, ours = pair(mode=mode, padding_idx=padding_idx, include_last_offset=True)
+    ours.validate_inputs = validate
+    ids = torch.tensor([0, 1, 2, 3, 4, 3, 5, 6])
+    for offsets in ([0, 2, 4], [0, 2, 2], [0, 3], [0, 1, 5], [0, 8]):
+        o = torch.tensor(offsets)
+        torch.testing.assert_close(ours(ids, o), ref(ids, o), rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------- errors nn.EmbeddingBag code catches
+@pytest.mark.parametrize("case,nn_type", [
+    ("id_out_of_range", RuntimeError), ("offsets_not_starting_at_zero", RuntimeError),
+    ("psw_outside_sum", NotImplementedError), ("psw_dtype", RuntimeError),
+    ("padding_idx", AssertionError), ("max_sparse", ValueError), ("weight_shape", AssertionError),
+])
+def test_errors_are_caught_as_nn_embedding_bags(case, nn_type):
+    def run(cls):
+        if case == "padding_idx":
+            return cls(5, 2, padding_idx=7)
+        if case == "weight_shape":
+            return cls(5, 2, _weight=torch.zeros(4, 2))
+        kw = {"mode": "mean"} if case == "psw_outside_sum" else {"mode": "max", "sparse": True} if \
+            case == "max_sparse" else {"mode": "sum"}
+        m = cls(5, 2, **kw)
+        ids = torch.tensor([1, 7] if case == "id_out_of_range" else [1, 2])
+        offsets = torch.tensor([1] if case == "offsets_not_starting_at_zero" else [0])
+        psw = None
+        if case in ("psw_outside_sum", "psw_dtype"):
+            psw = torch.ones(2, dtype=torch.float64 if case == "psw_dtype" else torch.float32)
+        return m(ids, offsets, psw)
+
+    with pytest.raises(nn_type):
+        run(nn.EmbeddingBag)
+    with pytest.raises(nn_type):
+        run(lambda *a, **k: cachedemb.CachedEmbeddingBag(*a, cache_rows=1, device="cpu", **k))
