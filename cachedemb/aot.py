@@ -228,7 +228,7 @@ def library_workload(device="cpu", dims=WORKLOAD_DIMS, dtypes=("float32", "bfloa
                      cache_rows: int = 4, bags: int = 3, bag_len: int = 4, steps: int = 2,
                      seed: int = 0) -> None:
     """Drive every launch path of the library: a forward + backward for each (mode, optimizer) pair
-    (optimizer=None trains `cache_weight` through autograd), cycling the table dtype, the dim, per-sample
+    (optimizer=None leaves the id-space gradient of `weight`), cycling the table dtype, the dim, per-sample
     weights (sum) and padding_idx so each meets every mode; `steps` batches each, with more distinct ids than
     the cache holds (evictions, rows served beyond the cache); the prefetch pipeline in order and overlapped; and
     `kernels.sparse_update`, a public op the module does not call. On CPU it needs TRITON_INTERPRET=1 and

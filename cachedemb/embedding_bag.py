@@ -17,6 +17,17 @@ _STEP_KEY = "optimizer.step"
 _TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+def _refuse_unsharded_world() -> None:
+    """Under torchrun with world size > 1, an unsharded cached module would train one diverging copy of the
+    table per rank (DDP does not see it: its rows are not a device Parameter). Refuse that loudly."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"CachedEmbeddingBag used in a job of {dist.get_world_size()} processes without sharding: each rank "
+            "would train its own copy of the table. Shard the model with `cachedemb.distributed.shard(model)` "
+            "(it places the tables and wraps the dense part in DDP).")
+
+
 class _PooledLookup(torch.autograd.Function):
     """Pooled forward over cache rows; backward either applies the fused optimizer in place (and returns no
     gradient for the table) or returns the table's gradient in id space (optimizer=None)."""
@@ -232,6 +243,8 @@ class CachedEmbeddingBag(nn.Module):
         if self.mode == "max" and self.scale_grad_by_freq:
             raise ValueError("max mode does not support scaling the gradient by the frequency "
                              "(as nn.EmbeddingBag): use scale_grad_by_freq=False")
+        if not getattr(self, "_shard_local", False):
+            _refuse_unsharded_world()
         cache = self.cache
         bags = normalize_bag_input(input, offsets, per_sample_weights, mode=self.mode,
                                    include_last_offset=self.include_last_offset,
