@@ -8,8 +8,7 @@ When a batch's unique ids cannot all be resident at once (more misses than free 
 window protects most slots), the rest are served straight from the host table through pinned memory: the
 forward reads those rows there and the fused optimizer updates them (and their state) there, in place, so a
 batch of any size gives the exact result and device memory never grows with the batch (FBGEMM serves its cache
-misses from UVM the same way). Only a caller that needs every row in a device slot asks for `spill` slots past
-the C cache slots, sized exactly (one host read of the count), and written back before the next batch.
+misses from UVM the same way).
 
 Every per-batch step works on fixed-capacity buffers with device-side counts, so on CUDA no step needs a host
 sync. On CPU the counts are read on the host (free there) to skip work, except in the sync-free mode
@@ -42,7 +41,7 @@ class BatchPlan:
     inverse: torch.Tensor  # [B] unique position of each lookup, -1 for padding
     counts: torch.Tensor  # [U] occurrences of each unique id
     n_uniq: torch.Tensor  # [1]
-    loc_u: torch.Tensor  # [U] cache or spill slot of each unique id; <= -2: its host row (HOST_LOC); -1 past n_uniq
+    loc_u: torch.Tensor  # [U] cache slot of each unique id; <= -2: its host row (HOST_LOC); -1 past n_uniq
     generation: int  # the cache generation the locations belong to
 
 
@@ -109,7 +108,6 @@ class EmbeddingCache:
             self.host_freq.copy_(host_freq)
         self.rows = torch.empty(0, dim, dtype=self.dtype, device=self.device)
         self.maybe_dirty = False  # host-side: set when rows are marked dirty, cleared by flush / reload
-        self.spill_capacity = 0
         self.generation = 0
         self.batch_counter = 0
         self._allocate(self.capacity)
@@ -149,33 +147,9 @@ class EmbeddingCache:
     def _set_rows(self, data: torch.Tensor) -> None:
         self.rows = data
 
-    def _grow_spill(self, spill: int) -> None:
-        """Make room for `spill` rows past the cache slots (only ever grows; spill slots are empty here)."""
-        if spill <= self.spill_capacity:
-            return
-        if self._pending is not None:
-            # A side-stream window transfer still writes the rows being reallocated: let it finish (rare).
-            self._pending.synchronize()
-        old = self.capacity + self.spill_capacity
-        new = self.capacity + spill
-        keep = slice(0, self.capacity)
-
-        def grown(t, fill):
-            out = torch.full((new + (t.shape[0] - old),) + tuple(t.shape[1:]), fill, dtype=t.dtype, device=t.device)
-            out[keep] = t[keep]
-            return out
-
-        self._set_rows(grown(self.rows.data, 0))
-        self.states = {k: grown(v, 0) for k, v in self.states.items()}
-        self.slot_ids = grown(self.slot_ids, -1)
-        self.slot_freq = grown(self.slot_freq, 0)
-        self.slot_last_use = grown(self.slot_last_use, 0)
-        self.dirty = grown(self.dirty, False)
-        self.spill_capacity = spill
-
     @property
     def total_slots(self) -> int:
-        return self.capacity + self.spill_capacity
+        return self.capacity
 
     @property
     def dump(self) -> int:
@@ -195,8 +169,7 @@ class EmbeddingCache:
             self.stats[i:i + 1].add_(value.reshape(1).to(torch.int64))
 
     def device_bytes(self) -> int:
-        """Bytes this cache holds on its device: rows, optimizer state, slot metadata, index, counters (and spill
-        slots, if any). Per-batch buffers are transient: O(lookups) ids and O(distinct ids) rows."""
+        """Bytes this cache holds on its device: rows, optimizer state, slot metadata, index, counters. Per-batch buffers are transient: O(lookups) ids and O(distinct ids) rows."""
         tensors = [self.rows.data, self.slot_ids, self.slot_freq, self.slot_last_use, self.dirty, self.next_use,
                    self.protected, self.index_keys, self.index_slots, self.stats, self.history]
         tensors += list(self.states.values())
@@ -242,29 +215,16 @@ class EmbeddingCache:
         keys = torch.where(ids >= 0, ids, torch.full_like(ids, EMPTY_KEY))
         self.index_keys, self.index_slots = torch.sort(keys)
 
-    def _flush_spill(self) -> None:
-        """Write back the spill rows of the previous batch and empty the spill slots."""
-        if self.spill_capacity == 0:
-            return
-        spill_slots = torch.arange(self.capacity, self.total_slots, device=self.device)
-        written = self._write_back(spill_slots, self.spill_capacity)
-        self.bump_stats(rows_out=written)
-        self.slot_ids[self.capacity:self.total_slots] = -1
-        self.dirty[self.capacity:self.total_slots] = False
-
     # ----------------------------------------------------------------- per-batch planning
-    def prepare(self, ids: torch.Tensor, padding_idx: int | None = None, train: bool = True,
-                grad_rows: bool = False) -> BatchPlan:
+    def prepare(self, ids: torch.Tensor, padding_idx: int | None = None, train: bool = True) -> BatchPlan:
         """Make every id of the batch addressable; returns where each unique id sits.
 
         Hits stay where they are (protected for this batch); misses take the policy's victims, and those that
-        cannot fit are served from the host table (or, with `grad_rows` — autograd needs every row in a device
-        slot — from spill slots). Counts and recency are updated only when `train`.
+        cannot fit are served from the host table in place. Counts and recency are updated only when `train`.
         """
         start = time.perf_counter()
         ids = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
         n_lookups = ids.numel()
-        self._flush_spill()
         self._wait_for_window_rows()
         self.generation += 1
         self.batch_counter += 1
@@ -272,7 +232,7 @@ class EmbeddingCache:
         # Per-unique buffers: exactly n long on CPU (free to know there), the fixed capacity B on CUDA.
         cap = self._on_host(n_uniq, n_lookups)
         uniq, counts = uniq[:cap], counts[:cap]
-        loc_u, live, n_hit, n_miss, _ = self._place(uniq, n_uniq, self.policy, spill=grad_rows)
+        loc_u, live, n_hit, n_miss, _ = self._place(uniq, n_uniq, self.policy)
         self.bump_stats(lookups=(inverse >= 0).sum(), unique=n_uniq, hits=n_hit, misses=n_miss)
         if train:
             resident = live & (loc_u >= 0)
@@ -326,7 +286,6 @@ class EmbeddingCache:
         n = uniq.numel()
         if n > self.capacity:
             raise ValueError(f"a window of {n} distinct ids cannot be resident in a cache of {self.capacity}")
-        self._flush_spill()
         self.generation += 1
         if next_use is not None:
             slots = torch.arange(self.capacity, device=self.device)
@@ -381,12 +340,11 @@ class EmbeddingCache:
             self._pending = None
         self.protected.zero_()
 
-    def _place(self, uniq, n_uniq, policy: Policy, spill: bool = False, transfer: bool = True):
+    def _place(self, uniq, n_uniq, policy: Policy, transfer: bool = True):
         """Find or admit each of the first n_uniq ids of `uniq`; returns (loc_u, live, n_hit, n_miss, move).
 
         Protected slots and this set's hits are never victims; misses beyond the free slots are served from
-        the host (loc = HOST_LOC - id), or with `spill` go to spill slots sized exactly (a host read of the
-        count on CUDA). With `transfer=False` the row copies are returned (`move`) instead of done; the slot
+        the host (loc = HOST_LOC - id). With `transfer=False` the row copies are returned (`move`) instead of done; the slot
         metadata is updated either way."""
         dev = self.device
         cap = uniq.numel()
@@ -408,20 +366,16 @@ class EmbeddingCache:
                         self.slot_last_use[: self.capacity], self.next_use, protected, self._table_rank())
         victims = kernels.victim_select(policy(view), k) if miss_count > 0 else None
 
-        # Rank the misses; rank r < n_admit takes victim r, the rest are served from the host (or spill slots).
+        # Rank the misses; rank r < n_admit takes victim r, the rest are served from the host.
         rank = torch.cumsum(is_miss, 0) - 1
-        if spill:
-            self._grow_spill(int(n_miss - n_admit))  # exact: one host read (autograd needs device rows)
-            overflow = self.capacity + rank - n_admit
-        else:
-            overflow = kernels.host_loc(uniq)
+        overflow = kernels.host_loc(uniq)
         if victims is not None:
             from_victim = victims[rank.clamp(min=0, max=k - 1)]
             dest = torch.where(rank < n_admit, from_victim, overflow)
         else:
             dest = torch.full_like(rank, -1)
         loc_u = torch.where(is_hit, slot, torch.where(is_miss, dest, torch.full_like(slot, -1)))
-        n_host = torch.zeros_like(n_miss) if spill else n_miss - n_admit
+        n_host = n_miss - n_admit
         self.bump_stats(rows_in=n_miss - n_host, host_rows=n_host)
 
         move = None

@@ -18,6 +18,8 @@ import weakref
 
 import torch
 
+from cachedemb.errors import NotScriptableError  # noqa: F401  (re-exported: raised by the collection)
+
 SCRIPT_MESSAGE = (
     "cannot compile CachedEmbeddingBagCollection: its device cache is Python-side state (admission, eviction, "
     "write-back to the host table) that TorchScript cannot express. For a TorchScript model, script "
@@ -25,9 +27,6 @@ SCRIPT_MESSAGE = (
     "tables); to capture a graph with the cache in it, use torch.fx.symbolic_trace or "
     "torch.export.export(..., strict=False).")
 
-
-class NotScriptableError(RuntimeError):
-    """torch.jit.script / torch.jit.trace of a module holding a CachedEmbeddingBagCollection."""
 
 
 def is_exporting() -> bool:

@@ -8,7 +8,12 @@ from torch import nn
 
 from cachedemb import kernels
 from cachedemb.cache import BatchPlan, EmbeddingCache, pinned_empty, state_dtype
-from cachedemb.errors import InvalidPaddingIdxError, InvalidWeightShapeError, StaleTableWriteError
+from cachedemb.errors import (
+    InvalidPaddingIdxError,
+    InvalidWeightShapeError,
+    NotScriptableError,
+    StaleTableWriteError,
+)
 from cachedemb.input_check import BagInput, normalize_bag_input
 from cachedemb.optim import SparseOptimizer
 from cachedemb.policy import Policy
@@ -407,6 +412,12 @@ class CachedEmbeddingBag(nn.Module):
     def flush(self) -> None:
         """Write every dirty cached row (and its optimizer state) back to the host table."""
         self.cache.flush()
+
+    def __prepare_scriptable__(self):
+        raise NotScriptableError(
+            "torch.jit.script cannot compile CachedEmbeddingBag: its device cache is Python-side state "
+            "(admission, eviction, write-back to the host table) that TorchScript cannot express. Script "
+            "`module.to_embedding_bag()` (an nn.EmbeddingBag holding a copy of the table) instead.")
 
     def to_embedding_bag(self, device=None) -> nn.EmbeddingBag:
         """A plain nn.EmbeddingBag with a copy of the full table (for serving or export); needs the table to

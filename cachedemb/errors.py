@@ -30,3 +30,7 @@ class InvalidWeightShapeError(ValueError, AssertionError):
 class StaleTableWriteError(RuntimeError):
     """The host table was written through a reference to `weight` held across fused training steps whose
     updates are still in the cache: applying either would silently drop the other."""
+
+
+class NotScriptableError(RuntimeError):
+    """torch.jit.script / torch.jit.trace of a cached module: its cache is Python-side state."""

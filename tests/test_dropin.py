@@ -299,3 +299,14 @@ def test_errors_are_caught_as_nn_embedding_bags(case, nn_type):
         run(nn.EmbeddingBag)
     with pytest.raises(nn_type):
         run(lambda *a, **k: cachedemb.CachedEmbeddingBag(*a, cache_rows=1, device="cpu", **k))
+
+
+def test_torchscript_is_refused_with_a_way_out():
+    from cachedemb.errors import NotScriptableError
+
+    module = cachedemb.CachedEmbeddingBag(10, 2, cache_rows=2, device="cpu")
+    with pytest.raises(NotScriptableError, match="to_embedding_bag"):
+        torch.jit.script(nn.Sequential(module))
+    scripted = torch.jit.script(module.to_embedding_bag())  # the suggested way works
+    ids, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 1])
+    torch.testing.assert_close(scripted(ids, offsets), module(ids, offsets))
