@@ -1,0 +1,171 @@
+"""shard(model): the torchrun entry point, and gather_full_state_dict(model) for export.
+
+`shard` walks the model, replaces every CachedEmbeddingBag by a ShardedEmbeddingBag (its rows placed by the
+plan) and wraps the rest in DistributedDataParallel on a process group of its own (so DDP's gradient
+all-reduces never interleave with the embedding exchanges), ignoring the sharded modules' parameters, as
+torchrec's DistributedModelParallel does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cachedemb.distributed.plan import ShardingPlan, TableSharding, default_plan
+from cachedemb.distributed.sharded_bag import ShardedEmbeddingBag
+from cachedemb.embedding_bag import CachedEmbeddingBag
+
+
+class DistributedModelParallel(nn.Module):
+    """What `shard` returns: `module` is the model with its cached tables sharded; forward runs it (through
+    DDP when it has dense parameters); `plan` says where each table lives."""
+
+    def __init__(self, module: nn.Module, plan: ShardingPlan, group, dense_group):
+        super().__init__()
+        self.module = module
+        self.plan = plan
+        self.group = group
+        ignore = [name for name, _ in _sharded_state_names(module)]
+        dense = [p for n, p in module.named_parameters() if p.requires_grad and not _under(n, ignore)]
+        if dense:
+            module._ddp_params_and_buffers_to_ignore = [n for n, _ in list(module.named_parameters())
+                                                        + list(module.named_buffers()) if _under(n, ignore)]
+            self._ddp = [nn.parallel.DistributedDataParallel(module, process_group=dense_group)]
+        else:
+            self._ddp = []  # a list: not a submodule, so state_dict keys stay the model's
+
+    def forward(self, *args, **kwargs):
+        return (self._ddp[0] if self._ddp else self.module)(*args, **kwargs)
+
+    def sharded_modules(self) -> dict[str, ShardedEmbeddingBag]:
+        return dict(_sharded_state_names(self.module))
+
+
+def _under(name: str, prefixes: list[str]) -> bool:
+    return any(p == "" or name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _sharded_state_names(module: nn.Module):
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, ShardedEmbeddingBag)]
+
+
+def _cached_modules(model: nn.Module) -> dict[str, CachedEmbeddingBag]:
+    found = {}
+    for name, m in model.named_modules():
+        if isinstance(m, CachedEmbeddingBag) and not any(_under(name, [p]) for p in found):
+            found[name] = m
+    return found
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
+    if path == "":
+        return new
+    parent_path, _, leaf = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, leaf, new)
+    return model
+
+
+def plan_for(model: nn.Module, world_size: int) -> ShardingPlan:
+    """The default plan for `model` at `world_size` (see cachedemb.distributed.plan.default_plan)."""
+    specs = {}
+    for name, m in _cached_modules(model).items():
+        lookups = float(m.cache.host_freq.sum()) / max(1, m.cache.train_batches or 1)
+        specs[name] = (m.num_embeddings, m.embedding_dim, m.cache.host_weight.element_size(), lookups)
+    return default_plan(specs, world_size)
+
+
+def shard(model: nn.Module, plan: ShardingPlan | dict | None = None, process_group=None) -> DistributedModelParallel:
+    """Shard every CachedEmbeddingBag of `model` over the ranks of `process_group` (default: the world) and
+    wrap the dense rest in DDP. Called by every rank with the same model (same values: seed it the same way);
+    each rank keeps its shard of each table's current rows and optimizer state, then drops the rest.
+    `plan`: a ShardingPlan, its `to_dict()`, or a dict {module path: TableSharding}; default `plan_for`."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("cachedemb.distributed.shard needs torch.distributed initialized "
+                           "(torch.distributed.init_process_group, as torchrun jobs do)")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TypeError("shard() the plain model, not a DistributedDataParallel around it: shard() wraps the "
+                        "dense part in DDP itself (DDP would not see the cached tables' rows)")
+    group = process_group if process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    modules = _cached_modules(model)
+    if plan is None:
+        plan = plan_for(model, world)
+    elif isinstance(plan, dict) and "world_size" in plan:
+        plan = ShardingPlan.from_dict(plan)
+    elif isinstance(plan, dict):
+        plan = ShardingPlan(world, dict(plan))
+    if not isinstance(plan, ShardingPlan):
+        raise TypeError(f"plan must be a ShardingPlan, its to_dict(), or None, got {type(plan).__name__}")
+    if plan.world_size != world:
+        raise ValueError(f"the plan is for {plan.world_size} ranks, the process group has {world}")
+    missing = sorted(set(modules) - set(plan.tables))
+    if missing:
+        raise ValueError(f"the plan places no table for cached modules {missing}; plan: {sorted(plan.tables)}")
+    extra = sorted(set(plan.tables) - set(modules))
+    if extra:
+        raise ValueError(f"the plan names {extra}, which are not CachedEmbeddingBag modules of the model "
+                         f"(found {sorted(modules)})")
+    device = _local_device(modules)
+    for name, m in modules.items():
+        model = _replace(model, name, ShardedEmbeddingBag(m, plan.tables[name], group, device))
+    ranks = dist.get_process_group_ranks(group) if group is not dist.group.WORLD else list(range(world))
+    dense_group = dist.new_group(ranks)
+    return DistributedModelParallel(model, plan, group, dense_group)
+
+
+def _local_device(modules) -> torch.device | None:
+    """Each rank's cache on its own GPU (LOCAL_RANK), when the modules' caches were on CUDA."""
+    import os
+
+    if any(m.cache.device.type == "cuda" for m in modules.values()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return None
+
+
+def gather_full_state_dict(model: nn.Module, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """The unsharded state_dict (keys as the model before `shard`), on rank `dst`; None on other ranks.
+    Collective: every rank must call it. Rows travel as pickled tensors (gather_object): for export of a
+    model that fits on one host."""
+    inner = model.module if isinstance(model, DistributedModelParallel) else model
+    group = model.group if isinstance(model, DistributedModelParallel) else dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    sharded = dict(_sharded_state_names(inner))
+    mine = {name: (m.row_start, m.row_end, {k: v.clone() for k, v in m.local_state().items()})
+            for name, m in sharded.items()}
+    gathered = [None] * world if rank == dst else None
+    global_dst = dist.get_global_rank(group, dst) if group is not dist.group.WORLD else dst
+    dist.gather_object(mine, gathered, dst=global_dst, group=group)
+    if rank != dst:
+        return None
+    out = {k: v for k, v in inner.state_dict().items() if not _under(k, list(sharded))}
+    for name, m in sharded.items():
+        prefix = f"{name}." if name else ""
+        full: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            start, end, state = part[name]
+            for key, value in state.items():
+                if key == "optimizer.step":
+                    full[key] = value
+                    continue
+                if key not in full:
+                    full[key] = torch.empty((m.num_embeddings,) + tuple(value.shape[1:]), dtype=value.dtype)
+                full[key][start:end] = value
+        out.update({prefix + k: v for k, v in full.items()})
+    return out
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load an unsharded state_dict (keys as the model before `shard`) into a sharded model: every rank
+    takes its rows. Each rank must hold the full state_dict (e.g. torch.load on every rank)."""
+    inner = model.module if isinstance(model, DistributedModelParallel) else model
+    sharded = dict(_sharded_state_names(inner))
+    for name, m in sharded.items():
+        prefix = f"{name}." if name else ""
+        m.load_local_state({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
+    dense = {k: v for k, v in state_dict.items() if not _under(k, list(sharded))}
+    inner.load_state_dict(dense, strict=False)
+
+
+__all__ = ["DistributedModelParallel", "TableSharding", "gather_full_state_dict", "load_full_state_dict",
+           "plan_for", "shard"]

@@ -1,0 +1,206 @@
+"""ShardedEmbeddingBag: one CachedEmbeddingBag's table placed over the ranks of a process group.
+
+Data flow of one forward (every rank, its own local batch of B_me bags, possibly empty)::
+
+    input, offsets ──normalize──> ids, bag of each lookup (padding lookups dropped)
+        │  owner of each id: the rank whose row range holds it (data-parallel: every rank)
+        ├─ all_to_all  [counts, bags]            (W x 2 int64)
+        ├─ all_to_all  ids - row start, bag      (uneven splits)        ┐ not differentiable
+        ├─ all_to_all  per-sample weights        (AllToAllRows)         ┘
+        v
+    owner: one local CachedEmbeddingBag call over the bags of all sources (sum_r B_r bags, sources in rank
+    order), pooled "sum" (or "max"): the partial bags of its rows
+        │  row/table-wise: all_to_all back (AllToAllRows): each owner returns B_r partial rows to rank r
+        │  data-parallel: keep own B_me rows (LocalSliceOfReplicated)
+        v
+    combine per bag over owners: sum; mean = sum / lookups; max = max over owners that saw a lookup (else 0)
+
+Backward mirrors it: pooled gradients go back to the owners (the reverse all_to_all, or for data-parallel
+an all-gather of every rank's gradient rows), and the owner's local module applies its fused optimizer to its
+rows once per step (its step count moves on every owner, as the single-process module's does) or leaves an
+id-space gradient on its local `weight` (optimizer=None). Each lookup's gradient is computed where its row
+lives, so training equals the single-process module trained on the concatenation of all ranks' batches with
+the sum of the ranks' losses (torchrec's convention; DDP averages the dense gradients instead).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cachedemb.distributed.exchange import AllToAllRows, LocalSliceOfReplicated, all_to_all, exchange_counts
+from cachedemb.distributed.plan import ShardingType, TableSharding
+from cachedemb.embedding_bag import CachedEmbeddingBag
+from cachedemb.input_check import normalize_bag_input
+
+
+def local_shard(module: CachedEmbeddingBag, start: int, end: int, device: torch.device, pooling: str,
+                ) -> CachedEmbeddingBag:
+    """A CachedEmbeddingBag over rows [start, end) of `module` (their current values and optimizer state),
+    ids local to the range, bags given with the end offset, padding already dropped."""
+    module.flush()
+    cache = module.cache
+    rows = end - start
+    capacity = max(1, min(rows, math.ceil(cache.capacity * rows / module.num_embeddings)))
+    table = module._table
+    shard = CachedEmbeddingBag(
+        rows, module.embedding_dim, max_norm=module.max_norm, norm_type=module.norm_type,
+        scale_grad_by_freq=module.scale_grad_by_freq, mode=pooling, sparse=module.sparse,
+        _weight=cache.host_weight[start:end].clone(), include_last_offset=True, device=device, dtype=cache.dtype,
+        _freeze=module.optimizer is None and not table.requires_grad, cache_rows=capacity,
+        optimizer=module.optimizer, id_freq=cache.host_freq[start:end].clone(), policy=cache.policy,
+        validate_inputs=False)
+    for name, state in cache.host_states.items():
+        shard.cache.host_states[name].copy_(state[start:end])
+    shard.optimizer_step = module.optimizer_step
+    shard.cache.reload()
+    shard._shard_local = True
+    return shard
+
+
+class ShardedEmbeddingBag(nn.Module):
+    """The sharded equivalent of a CachedEmbeddingBag: same forward signature and outputs; this rank keeps
+    rows `sharding.ranges[rank]` in `self.shard` (None when it keeps none)."""
+
+    def __init__(self, module: CachedEmbeddingBag, sharding: TableSharding, group=None, device=None):
+        super().__init__()
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if sharding.world_size != self.world_size:
+            raise ValueError(f"the plan places this table over {sharding.world_size} ranks, the process group "
+                             f"has {self.world_size}")
+        if sharding.num_embeddings != module.num_embeddings:
+            raise ValueError(f"the plan is for a table of {sharding.num_embeddings} rows, the module has "
+                             f"{module.num_embeddings}")
+        self.sharding = sharding
+        self.num_embeddings, self.embedding_dim = module.num_embeddings, module.embedding_dim
+        self.mode, self.padding_idx = module.mode, module.padding_idx
+        self.include_last_offset, self.optimizer = module.include_last_offset, module.optimizer
+        self.dtype = module.cache.dtype
+        self.row_start, self.row_end = sharding.ranges[self.rank]
+        self.owners = sharding.owners()
+        self._ends = torch.tensor([b for _, b in sharding.ranges], dtype=torch.int64)
+        self._starts = torch.tensor([a for a, _ in sharding.ranges], dtype=torch.int64)
+        self.shard = (local_shard(module, self.row_start, self.row_end, device or module.cache.device,
+                                  "max" if self.mode == "max" else "sum")
+                      if self.row_end > self.row_start else None)
+
+    @property
+    def data_parallel(self) -> bool:
+        return self.sharding.sharding_type == ShardingType.DATA_PARALLEL
+
+    def forward(self, input, offsets=None, per_sample_weights=None):
+        bags = normalize_bag_input(input, offsets, per_sample_weights, mode=self.mode,
+                                   include_last_offset=self.include_last_offset, num_embeddings=self.num_embeddings,
+                                   device=input.device, validate=True, padding_idx=self.padding_idx,
+                                   table_dtype=self.dtype)
+        ids, n_bags = bags.ids, bags.offsets.numel() - 1
+        bag_of = torch.repeat_interleave(torch.arange(n_bags, dtype=torch.int64, device=ids.device),
+                                         bags.offsets.diff())
+        psw = bags.per_sample_weights
+        if bags.pad_id is not None:
+            keep = ids != bags.pad_id
+            ids, bag_of = ids[keep], bag_of[keep]
+            psw = psw[keep] if psw is not None else None
+        out = self._pool(ids, bag_of, psw, n_bags)
+        if bags.lead or bags.trail:
+            out = out[bags.lead: out.shape[0] - bags.trail]
+        if bags.last_bag_scale is not None and out.shape[0] > 0:
+            factor = torch.ones(out.shape[0], 1, dtype=torch.float64, device=out.device)
+            factor[-1] = bags.last_bag_scale
+            out = out * factor.to(out.dtype)
+        return out
+
+    def _pool(self, ids, bag_of, psw, n_bags: int) -> torch.Tensor:
+        world, group = self.world_size, self.group
+        if self.data_parallel:
+            order = None
+            send_counts = [ids.numel()] * world
+            payload = torch.stack([ids, bag_of], 1).repeat(world, 1)
+            psw_send = psw.repeat(world) if psw is not None else None
+        else:
+            owner = torch.bucketize(ids, self._ends.to(ids.device), right=True)
+            order = torch.argsort(owner, stable=True)
+            owner_sorted = owner[order]
+            send_counts = torch.bincount(owner, minlength=world).tolist()
+            local_ids = ids[order] - self._starts.to(ids.device)[owner_sorted]
+            payload = torch.stack([local_ids, bag_of[order]], 1)
+            psw_send = psw[order] if psw is not None else None
+        header = torch.tensor([[c, n_bags] for c in send_counts], dtype=torch.int64)
+        recv_header = exchange_counts(header, group)
+        recv_counts, recv_bags = recv_header[:, 0].tolist(), recv_header[:, 1].tolist()
+        recv = all_to_all(payload, recv_counts, send_counts, group)
+        recv_psw = AllToAllRows.apply(psw_send, recv_counts, send_counts, group) if psw is not None else None
+        total = sum(recv_bags)
+        if self.shard is not None:
+            source = torch.repeat_interleave(torch.arange(world, dtype=torch.int64), torch.tensor(recv_counts))
+            base = torch.tensor([0] + recv_bags[:-1], dtype=torch.int64).cumsum(0)
+            global_bag = recv[:, 1] + base[source].to(recv.device)
+            local_offsets = torch.zeros(total + 1, dtype=torch.int64, device=recv.device)
+            local_offsets[1:] = torch.bincount(global_bag, minlength=total).cumsum(0)
+            partial = self.shard(recv[:, 0], local_offsets, recv_psw)
+        else:
+            partial = torch.zeros(0, self.embedding_dim, dtype=self.dtype, requires_grad=True)
+        if self.data_parallel:
+            pooled = LocalSliceOfReplicated.apply(partial, recv_bags, self.rank, group)
+            return self._finish(pooled.unsqueeze(0), ids, bag_of, n_bags, per_owner=None)
+        back_in = [recv_bags[r] if self.shard is not None else 0 for r in range(world)]
+        back_out = [n_bags if r in self.owners else 0 for r in range(world)]
+        parts = AllToAllRows.apply(partial, back_out, back_in, group)
+        parts = parts.view(len(self.owners), n_bags, self.embedding_dim)
+        per_owner = None
+        if self.mode == "max" and len(self.owners) > 1:
+            index = owner * n_bags + bag_of
+            per_owner = torch.bincount(index, minlength=world * n_bags).view(world, n_bags)[self.owners]
+        return self._finish(parts, ids, bag_of, n_bags, per_owner)
+
+    def _finish(self, parts, ids, bag_of, n_bags: int, per_owner) -> torch.Tensor:
+        """parts: [owners, B, D] partial pools -> [B, D]."""
+        if self.mode == "max":
+            if per_owner is None:
+                return parts.sum(0)  # one owner saw every lookup: its max pooling is already final
+            masked = parts.masked_fill((per_owner == 0).unsqueeze(-1), float("-inf"))
+            best = masked.max(0).values
+            return torch.where((per_owner.sum(0) > 0).unsqueeze(-1), best, torch.zeros_like(best))
+        pooled = parts.sum(0)
+        if self.mode == "mean":
+            counts = torch.bincount(bag_of, minlength=n_bags).clamp(min=1)
+            pooled = pooled / counts.unsqueeze(1).to(pooled.dtype)
+        return pooled
+
+    # ----------------------------------------------------------------- state
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's rows and their optimizer state (host tensors, flushed), keyed as the unsharded
+        module's state_dict; empty when the rank keeps no rows."""
+        if self.shard is None:
+            return {}
+        self.shard.flush()
+        cache = self.shard.cache
+        state = {"weight": cache.host_weight}
+        for name, value in cache.host_states.items():
+            state[f"optimizer.{name}"] = value
+        if self.optimizer is not None:
+            state["optimizer.step"] = torch.tensor(self.shard.optimizer_step, dtype=torch.int64)
+        return state
+
+    def load_local_state(self, full_rows: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's rows [row_start, row_end) out of full-table tensors (keys as local_state)."""
+        if self.shard is None:
+            return
+        self.shard.flush()
+        a, b = self.row_start, self.row_end
+        cache = self.shard.cache
+        cache.host_weight.copy_(full_rows["weight"][a:b])
+        for name, value in cache.host_states.items():
+            key = f"optimizer.{name}"
+            if key in full_rows:
+                value.copy_(full_rows[key][a:b])
+        if "optimizer.step" in full_rows and self.optimizer is not None:
+            self.shard.optimizer_step = int(full_rows["optimizer.step"])
+        cache.reload()
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, {self.sharding.describe()}, "
+                f"rank {self.rank} keeps [{self.row_start}, {self.row_end})")
