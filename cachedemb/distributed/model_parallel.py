@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cachedemb.collection import CachedEmbeddingBagCollection
 from cachedemb.distributed.plan import ShardingPlan, TableSharding, default_plan
 from cachedemb.distributed.sharded_bag import ShardedEmbeddingBag
+from cachedemb.distributed.sharded_collection import ShardedEmbeddingBagCollection
 from cachedemb.embedding_bag import CachedEmbeddingBag
 
 
@@ -49,12 +51,31 @@ def _sharded_state_names(module: nn.Module):
     return [(n, m) for n, m in module.named_modules() if isinstance(m, ShardedEmbeddingBag)]
 
 
-def _cached_modules(model: nn.Module) -> dict[str, CachedEmbeddingBag]:
+def _cached_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Path -> CachedEmbeddingBag or CachedEmbeddingBagCollection (not the collections' own group bags)."""
     found = {}
     for name, m in model.named_modules():
-        if isinstance(m, CachedEmbeddingBag) and not any(_under(name, [p]) for p in found):
+        if isinstance(m, (CachedEmbeddingBag, CachedEmbeddingBagCollection)) and not _under(name, list(found)):
             found[name] = m
     return found
+
+
+def _table_key(path: str, table: str) -> str:
+    return f"{path}.{table}" if path else table
+
+
+def _tables(modules: dict[str, nn.Module]) -> dict[str, tuple[int, int, int, float]]:
+    """Plan key -> (rows, dim, bytes per element, expected lookups per step or 0)."""
+    specs = {}
+    for name, m in modules.items():
+        if isinstance(m, CachedEmbeddingBagCollection):
+            for t in m.tables:
+                specs[_table_key(name, t.name)] = (t.num_embeddings, t.embedding_dim, t.dtype.itemsize, 0.0)
+        else:
+            cache = m.cache
+            lookups = float(cache.host_freq.sum()) / max(1, cache.train_batches)
+            specs[name] = (m.num_embeddings, m.embedding_dim, cache.host_weight.element_size(), lookups)
+    return specs
 
 
 def _replace(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
@@ -68,11 +89,7 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
 
 def plan_for(model: nn.Module, world_size: int) -> ShardingPlan:
     """The default plan for `model` at `world_size` (see cachedemb.distributed.plan.default_plan)."""
-    specs = {}
-    for name, m in _cached_modules(model).items():
-        lookups = float(m.cache.host_freq.sum()) / max(1, m.cache.train_batches or 1)
-        specs[name] = (m.num_embeddings, m.embedding_dim, m.cache.host_weight.element_size(), lookups)
-    return default_plan(specs, world_size)
+    return default_plan(_tables(_cached_modules(model)), world_size)
 
 
 def shard(model: nn.Module, plan: ShardingPlan | dict | None = None, process_group=None) -> DistributedModelParallel:
@@ -99,16 +116,20 @@ def shard(model: nn.Module, plan: ShardingPlan | dict | None = None, process_gro
         raise TypeError(f"plan must be a ShardingPlan, its to_dict(), or None, got {type(plan).__name__}")
     if plan.world_size != world:
         raise ValueError(f"the plan is for {plan.world_size} ranks, the process group has {world}")
-    missing = sorted(set(modules) - set(plan.tables))
+    tables = _tables(modules)
+    missing = sorted(set(tables) - set(plan.tables))
     if missing:
-        raise ValueError(f"the plan places no table for cached modules {missing}; plan: {sorted(plan.tables)}")
-    extra = sorted(set(plan.tables) - set(modules))
+        raise ValueError(f"the plan places no table for {missing}; plan: {sorted(plan.tables)}")
+    extra = sorted(set(plan.tables) - set(tables))
     if extra:
-        raise ValueError(f"the plan names {extra}, which are not CachedEmbeddingBag modules of the model "
-                         f"(found {sorted(modules)})")
+        raise ValueError(f"the plan names {extra}, which are not cached tables of the model (found {sorted(tables)})")
     device = _local_device(modules)
     for name, m in modules.items():
-        model = _replace(model, name, ShardedEmbeddingBag(m, plan.tables[name], group, device))
+        if isinstance(m, CachedEmbeddingBagCollection):
+            shardings = {t.name: plan.tables[_table_key(name, t.name)] for t in m.tables}
+            model = _replace(model, name, ShardedEmbeddingBagCollection(m, shardings, group, device))
+        else:
+            model = _replace(model, name, ShardedEmbeddingBag(m, plan.tables[name], group, device))
     ranks = dist.get_process_group_ranks(group) if group is not dist.group.WORLD else list(range(world))
     dense_group = dist.new_group(ranks)
     return DistributedModelParallel(model, plan, group, dense_group)
@@ -118,7 +139,9 @@ def _local_device(modules) -> torch.device | None:
     """Each rank's cache on its own GPU (LOCAL_RANK), when the modules' caches were on CUDA."""
     import os
 
-    if any(m.cache.device.type == "cuda" for m in modules.values()):
+    caches = [b.cache for m in modules.values() for b in (m.bags if isinstance(m, CachedEmbeddingBagCollection)
+                                                          else [m])]
+    if any(c.device.type == "cuda" for c in caches):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return None
 

@@ -81,7 +81,10 @@ class ShardedEmbeddingBag(nn.Module):
         self.dtype = module.cache.dtype
         self.row_start, self.row_end = sharding.ranges[self.rank]
         self.owners = sharding.owners()
-        self._ends = torch.tensor([b for _, b in sharding.ranges], dtype=torch.int64)
+        # Owners in row order: lookups find theirs by a binary search over the owners' range ends.
+        by_row = sorted(self.owners, key=lambda r: sharding.ranges[r][0])
+        self._owner_by_row = torch.tensor(by_row, dtype=torch.int64)
+        self._owner_ends = torch.tensor([sharding.ranges[r][1] for r in by_row], dtype=torch.int64)
         self._starts = torch.tensor([a for a, _ in sharding.ranges], dtype=torch.int64)
         self.shard = (local_shard(module, self.row_start, self.row_end, device or module.cache.device,
                                   "max" if self.mode == "max" else "sum")
@@ -121,7 +124,8 @@ class ShardedEmbeddingBag(nn.Module):
             payload = torch.stack([ids, bag_of], 1).repeat(world, 1)
             psw_send = psw.repeat(world) if psw is not None else None
         else:
-            owner = torch.bucketize(ids, self._ends.to(ids.device), right=True)
+            slot = torch.bucketize(ids, self._owner_ends.to(ids.device), right=True)
+            owner = self._owner_by_row.to(ids.device)[slot]
             order = torch.argsort(owner, stable=True)
             owner_sorted = owner[order]
             send_counts = torch.bincount(owner, minlength=world).tolist()

@@ -45,17 +45,22 @@ def run_spawned(fn, world_size: int, *args, timeout_s: float = 30.0) -> list:
     context = mp.start_processes(_entry, args=(fn, world_size, free_port(), timeout_s, results, args),
                                  nprocs=world_size, start_method="spawn", join=False)
     got: dict[int, tuple] = {}
+    failure = None
     try:
         while not context.join(timeout=0.5):
             _drain(results, got)
+    except Exception as e:  # a rank raised or died: report every rank's error, the first to fail first
+        failure = e
     finally:
         _drain(results, got)
         for p in context.processes:
             if p.is_alive():
                 p.terminate()
-    errors = [f"rank {r}:\n{v}" for r, (status, v) in sorted(got.items()) if status == "error"]
+    errors = [f"rank {r}:\n{v}" for r, (status, v) in got.items() if status == "error"]
     if errors:
-        raise RuntimeError("\n".join(errors))
+        raise RuntimeError("\n".join(errors)) from failure
+    if failure is not None:
+        raise failure
     missing = [r for r in range(world_size) if r not in got]
     if missing:
         raise RuntimeError(f"ranks {missing} returned nothing")

@@ -1,0 +1,113 @@
+"""ShardedEmbeddingBagCollection: a CachedEmbeddingBagCollection's tables placed over the ranks.
+
+Each table becomes a ShardedEmbeddingBag of its own (`embedding_bags[table]`), placed by the plan entry
+`"<collection path>.<table>"` (table-wise by default: whole tables spread over the ranks; row-wise and
+data-parallel work the same way). Per forward and per table, the bags of every feature the table serves go to
+the table's owners in one exchange (features concatenated feature-major, so one fused-optimizer step per
+table per step, as the unsharded group's), and the pooled rows come back by all-to-all::
+
+    KJT (local batch B_me) ──per table: values of its features, lengths -> offsets──> ShardedEmbeddingBag
+        ──[features x B_me, dim] split per feature──> KeyedTensor [B_me, sum(dims)] in the collection's key order
+
+State keys are the collection's (`embedding_bags.<table>.weight`, `.optimizer.<state>`, `.optimizer.step`), so
+gather_full_state_dict returns what the unsharded collection loads.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cachedemb.collection import CachedEmbeddingBagCollection
+from cachedemb.collection_inputs import is_torchrec, torchrec_type
+from cachedemb.distributed.plan import TableSharding
+from cachedemb.distributed.sharded_bag import ShardedEmbeddingBag
+from cachedemb.embedding_bag import CachedEmbeddingBag
+
+
+def _table_module(collection: CachedEmbeddingBagCollection, index: int) -> CachedEmbeddingBag:
+    """A standalone CachedEmbeddingBag holding table `index`'s current rows and optimizer state."""
+    t = collection.tables[index]
+    g, _ = collection._table_group[index]
+    group_bag = collection.bags[g]
+    state = {}
+    collection._save_table(index, state, "")
+    module = CachedEmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling, _weight=state["weight"].clone(),
+                                device=group_bag.cache.device, dtype=group_bag.cache.dtype,
+                                cache_rows=max(1, min(t.num_embeddings, group_bag.cache.capacity)),
+                                optimizer=group_bag.optimizer, warmup_ratio=0.0)
+    module._shard_local = True
+    module.load_state_dict(state)
+    return module
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """The sharded equivalent of a CachedEmbeddingBagCollection: KJT (or dict {feature: (values, offsets)}) in,
+    KeyedTensor (or dict {key: pooled}) out, each rank with its own local batch size."""
+
+    def __init__(self, collection: CachedEmbeddingBagCollection, shardings: dict[str, TableSharding], group=None,
+                 device=None):
+        super().__init__()
+        if not collection.bags:
+            raise ValueError("shard a materialized collection (to_empty()/reset_parameters() a meta one first)")
+        self.tables = list(collection.tables)
+        self.embedding_names = list(collection.embedding_names)
+        self.hash_ids = collection.hash_ids
+        self._dims = list(collection._dims)
+        self._lookups = [(lk.table, lk.feature, lk.name) for lk in collection._lookups]
+        self.embedding_bags = nn.ModuleDict({
+            t.name: ShardedEmbeddingBag(_table_module(collection, i), shardings[t.name], group, device)
+            for i, t in enumerate(self.tables)})
+
+    def forward(self, features):
+        is_kjt = is_torchrec(features, "KeyedJaggedTensor")
+        per_feature = self._split(features, is_kjt)
+        batch = {f: offsets.numel() - 1 for f, (_, offsets, _) in per_feature.items()}
+        pooled: dict[str, torch.Tensor] = {}
+        for i, t in enumerate(self.tables):
+            lookups = [(f, name) for ti, f, name in self._lookups if ti == i]
+            ids, offsets, weights, start = [], [], [], 0
+            for f, _ in lookups:
+                values, off, w = per_feature[f]
+                ids.append(values % t.num_embeddings if self.hash_ids else values)
+                offsets.append(off[:-1] + start)
+                weights.append(w)
+                start += values.numel()
+            psw = torch.cat(weights) if weights[0] is not None else None
+            out = self.embedding_bags[t.name](torch.cat(ids), torch.cat(offsets), psw).float()
+            for (f, name), rows in zip(lookups, out.split([batch[f] for f, _ in lookups])):
+                pooled[name] = rows
+        if is_kjt:
+            values = torch.cat([pooled[name] for name in self.embedding_names], dim=1)
+            return torchrec_type("KeyedTensor")(keys=list(self.embedding_names), length_per_key=list(self._dims),
+                                                values=values)
+        return pooled
+
+    def _split(self, features, is_kjt: bool) -> dict[str, tuple]:
+        """feature -> (values int64, offsets with the end, per-sample weights or None)."""
+        needed = {f for _, f, _ in self._lookups}
+        out = {}
+        if is_kjt:
+            weights = features.weights_or_none()
+            lengths, values = features.lengths(), features.values()
+            batch = features.stride()
+            ends = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.to(torch.int64).cumsum(0)])
+            for k, key in enumerate(features.keys()):
+                if key not in needed:
+                    continue
+                lo, hi = int(ends[k * batch]), int(ends[(k + 1) * batch])
+                offsets = ends[k * batch:(k + 1) * batch + 1] - lo
+                out[key] = (values[lo:hi].to(torch.int64), offsets,
+                            weights[lo:hi] if weights is not None else None)
+        else:
+            for key, value in features.items():
+                if key in needed:
+                    values, offsets = value[0], value[1]
+                    w = value[2] if len(value) > 2 else None
+                    out[key] = (values.to(torch.int64), offsets.to(torch.int64), w)
+        missing = sorted(needed - set(out))
+        if missing:
+            raise KeyError(f"features {missing} are missing from the input (every table's features are needed)")
+        return out
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}: {m.sharding.describe()}" for name, m in self.embedding_bags.items())
