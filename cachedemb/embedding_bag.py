@@ -124,12 +124,21 @@ class CachedEmbeddingBag(nn.Module):
         torch.Size([2, 3])
     """
 
+    def __new__(cls, *args, dynamic=None, **kwargs):
+        # CachedEmbeddingBag(None, dim, ..., dynamic=DynamicIds(...)) builds the raw-id module (cachedemb.dynamic):
+        # not an instance of cls, so Python skips __init__.
+        if dynamic is not None:
+            from cachedemb.dynamic import DynamicEmbeddingBag
+            return DynamicEmbeddingBag(*args, dynamic=dynamic, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,
                  norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean",
                  sparse: bool = False, _weight: torch.Tensor | None = None, include_last_offset: bool = False,
                  padding_idx: int | None = None, device=None, dtype=None, *, _freeze: bool = False, cache_ratio: float = 0.01, cache_rows: int | None = None, optimizer: SparseOptimizer | None = None,
                  id_freq: torch.Tensor | None = None, warmup_ratio: float = 0.7, policy: str | Policy = "lfu",
-                 validate_inputs: bool = True, stats_history: int = 0, freq_halflife: int | None = None):
+                 validate_inputs: bool = True, stats_history: int = 0, freq_halflife: int | None = None,
+                 dynamic=None):
         super().__init__()
         self._check_args(num_embeddings, embedding_dim, max_norm, norm_type, mode, cache_ratio, cache_rows,
                          optimizer, warmup_ratio, _weight)

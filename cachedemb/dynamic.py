@@ -1,0 +1,606 @@
+"""Dynamic ids: raw int64 ids -> host rows, in front of the cache.
+
+Data flow of one forward (host side; the cache below keeps seeing dense rows)::
+
+    raw ids [B] int64 (any value)
+      -> torch.unique                        distinct ids U, inverse, per-id lookup counts
+      -> IdIndex.lookup / insert             exact index id -> entry (open addressing, bounded probes)
+      -> training forwards only: count, last seen, admission at the min_count-th occurrence
+         (rows from a free list of `capacity` slab rows; when full: evict by (count, last seen, id) or reject)
+      -> row per lookup                      admitted row, else the unadmitted row (zero or shared), pad row
+      -> CachedEmbeddingBag over the slab    [capacity + 1 (+1 pad)] rows, the device cache in front of it
+
+Rows of the slab: [0, capacity) hold admitted ids; row `capacity` is the unadmitted row (reset to zero before
+every forward with unadmitted="zero", trained with "shared"); row `capacity + 1` is the padding row when
+`padding_idx` (a raw id) is given.
+
+A new row's value is `initial_rows(seed, id)`: a counter-based normal draw (splitmix64 + Box-Muller), so it
+depends on (seed, id) only, never on arrival order, batch composition or rank. Admitting an id writes that value
+and the optimizer's initial state into the host row and overwrites the row's cache slot if it is resident, so an
+evicted id that returns is bit-equal to a never-seen one (`_overwrite_rows`).
+
+Eval forwards (`module.eval()` or no grad) are read-only: no counting, no admission, no sweep.
+The reference path (a Python dict remap) is `cachedemb.dynamic_naive`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cachedemb import kernels
+from cachedemb.cache import EmbeddingCache, state_dtype
+from cachedemb.optim import SparseOptimizer
+
+ON_FULL = ("evict_lfu", "evict_lru", "reject")
+UNADMITTED = ("zero", "shared")
+
+_M64 = (1 << 64) - 1
+
+
+def _i64(value: int) -> int:
+    """A uint64 constant as the int64 with the same bits."""
+    value &= _M64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+_HASH_SALT = _i64(0x5851F42D4C957F2D)
+
+
+def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 bits (wrapping arithmetic): a bijection with full avalanche."""
+    x = x ^ _lsr(x, 30)
+    x = x * _MIX1
+    x = x ^ _lsr(x, 27)
+    x = x * _MIX2
+    return x ^ _lsr(x, 31)
+
+
+def initial_rows(seed: int, ids: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[n, dim] N(0, 1) rows (nn.EmbeddingBag's init) as a pure function of (seed, id): a splitmix64 stream
+    keyed by the id, pairs of 53-bit uniforms through Box-Muller, computed in float64 on the host."""
+    ids = ids.reshape(-1).to(device="cpu", dtype=torch.int64)
+    seed_key = mix64(torch.tensor([_i64(seed)], dtype=torch.int64) + _GOLDEN)
+    key = mix64(ids + seed_key)  # [n]
+    pairs = (dim + 1) // 2
+    counter = torch.arange(1, 2 * pairs + 1, dtype=torch.int64) * _GOLDEN  # [2P]
+    bits = mix64(key[:, None] + counter[None, :])  # [n, 2P]
+    unit = _lsr(bits, 11).to(torch.float64) * 2.0 ** -53  # [0, 1)
+    u1, u2 = 1.0 - unit[:, 0::2], unit[:, 1::2]  # u1 in (0, 1]
+    radius = torch.sqrt(-2.0 * torch.log(u1))
+    angle = (2.0 * math.pi) * u2
+    z = torch.stack([radius * torch.cos(angle), radius * torch.sin(angle)], dim=2).reshape(ids.numel(), 2 * pairs)
+    return z[:, :dim].to(dtype)
+
+
+@dataclass(frozen=True)
+class DynamicIds:
+    """Raw int64 ids with a row per admitted id (see the module docstring).
+
+    capacity: rows of the host slab (ids with a row at once). min_count: training occurrences (lookups) an id
+    needs before it gets a row; until then it reads the unadmitted row. ttl_steps: ids unseen for this many
+    training steps are evicted, swept every ttl_steps steps (or on `evict_stale()`). on_full: when admissions
+    find no free row, "evict_lfu" evicts the rows least by (count, last seen, id), "evict_lru" by
+    (last seen, count, id), "reject" admits none (rows of the current batch are never victims). unadmitted:
+    "zero" (a zero row) or "shared" (one trainable row shared by every unadmitted id). seed: of the initial rows.
+    """
+
+    capacity: int
+    min_count: int = 1
+    ttl_steps: int | None = None
+    on_full: str = "evict_lfu"
+    unadmitted: str = "zero"
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("capacity", "min_count"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DynamicIds.{name} must be a positive int, got {value!r}")
+        ttl = self.ttl_steps
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
+            raise ValueError(f"DynamicIds.ttl_steps must be None or a positive int, got {ttl!r}")
+        if self.on_full not in ON_FULL:
+            raise ValueError(f"DynamicIds.on_full must be one of {ON_FULL}, got {self.on_full!r}")
+        if self.unadmitted not in UNADMITTED:
+            raise ValueError(f"DynamicIds.unadmitted must be one of {UNADMITTED}, got {self.unadmitted!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"DynamicIds.seed must be an int, got {self.seed!r}")
+
+
+class IdIndex:
+    """Exact map int64 id -> entry slot: linear probing over a power-of-two table, vectorised (one probe
+    distance per round for every pending key), at most half full counting tombstones. Every int64 is a key
+    (occupancy is a separate state array). The home slot is mix64(id ^ salt), so multiples of 2^32 or ids equal
+    in their low bits spread like any others; an insert displaced more than `max_probe` slots grows the table.
+
+    Per slot: key, state (0 empty, 1 live, 2 tombstone) and the payload `row` (-1: not admitted), `count`,
+    `last` (the step the id was last seen). `version` changes whenever slots move (rehash)."""
+
+    EMPTY, LIVE, TOMB = 0, 1, 2
+
+    def __init__(self, size: int = 1024, max_probe: int = 64):
+        self.max_probe = max_probe
+        self.version = 0
+        self._alloc(max(16, 1 << (int(size) - 1).bit_length()))
+
+    def _alloc(self, size: int) -> None:
+        self.size, self.mask = size, size - 1
+        self.keys = torch.zeros(size, dtype=torch.int64)
+        self.state = torch.zeros(size, dtype=torch.int8)
+        self.row = torch.full((size,), -1, dtype=torch.int64)
+        self.count = torch.zeros(size, dtype=torch.int64)
+        self.last = torch.zeros(size, dtype=torch.int64)
+        self.live = self.used = 0  # live slots; live + tombstones
+        self.max_disp = 0  # longest displacement of any key since the last rehash
+
+    def home(self, keys: torch.Tensor) -> torch.Tensor:
+        return mix64(keys ^ _HASH_SALT) & self.mask
+
+    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
+        """Slot of each key, -1 if absent. At most max_disp + 1 rounds."""
+        result = torch.full_like(keys, -1)
+        pending = torch.arange(keys.numel())
+        home = self.home(keys)
+        for dist in range(self.max_disp + 1):
+            if pending.numel() == 0:
+                break
+            pos = (home[pending] + dist) & self.mask
+            state = self.state[pos]
+            hit = (state == self.LIVE) & (self.keys[pos] == keys[pending])
+            result[pending[hit]] = pos[hit]
+            pending = pending[~(hit | (state == self.EMPTY))]
+        return result
+
+    def reserve(self, extra: int) -> None:
+        """Room for `extra` more keys without passing half full (tombstones count); rehash if not."""
+        if 2 * (self.used + extra) <= self.size:
+            return
+        size = self.size
+        while 4 * (self.live + extra) > size:
+            size *= 2
+        self._rehash(size)
+
+    def insert(self, keys: torch.Tensor) -> torch.Tensor:
+        """Insert distinct absent keys (payload row -1, count 0, last 0); returns their slots. May rehash."""
+        self.reserve(keys.numel())
+        while True:
+            slots = self._try_insert(keys)
+            if slots is not None:
+                return slots
+            self._rehash(self.size * 2)
+
+    def _try_insert(self, keys: torch.Tensor) -> torch.Tensor | None:
+        n = keys.numel()
+        slots = torch.full_like(keys, -1)
+        pending = torch.arange(n)
+        home = self.home(keys)
+        placed_all = []
+        for dist in range(self.max_probe):
+            if pending.numel() == 0:
+                break
+            pos = (home[pending] + dist) & self.mask
+            free = self.state[pos] != self.LIVE
+            cand, cpos = pending[free], pos[free]
+            if cand.numel():
+                # Several keys may reach one free slot in the same round: the lowest key position wins.
+                uniq_pos, inv = torch.unique(cpos, return_inverse=True)
+                winner = torch.full((uniq_pos.numel(),), n, dtype=torch.int64).scatter_reduce_(
+                    0, inv, cand, "amin")
+                won = cand == winner[inv]
+                wk, wp = cand[won], cpos[won]
+                self.used += int((self.state[wp] == self.EMPTY).sum())
+                self.keys[wp] = keys[wk]
+                self.state[wp] = self.LIVE
+                self.row[wp], self.count[wp], self.last[wp] = -1, 0, 0
+                slots[wk] = wp
+                placed_all.append(wk)
+                self.live += wk.numel()
+                self.max_disp = max(self.max_disp, dist)
+                done = torch.zeros(n, dtype=torch.bool)
+                done[wk] = True
+                pending = pending[~done[pending]]
+        if pending.numel():
+            # Undo this call's inserts (keys stay absent), the caller grows the table and retries.
+            placed = torch.cat(placed_all) if placed_all else pending[:0]
+            self.remove(slots[placed])
+            return None
+        return slots
+
+    def remove(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        self.state[slots] = self.TOMB
+        self.row[slots] = -1
+        self.live -= slots.numel()
+
+    def live_slots(self) -> torch.Tensor:
+        return torch.nonzero(self.state == self.LIVE).reshape(-1)
+
+    def _rehash(self, size: int) -> None:
+        live = self.live_slots()
+        keys, row, count, last = self.keys[live], self.row[live], self.count[live], self.last[live]
+        while True:
+            self._alloc(size)
+            slots = self._try_insert(keys)
+            if slots is not None:
+                break
+            size *= 2
+        self.row[slots], self.count[slots], self.last[slots] = row, count, last
+        self.version += 1
+
+
+_STAT_NAMES = ("ids_seen", "admitted", "rejected", "evicted", "expired", "unadmitted_lookups")
+
+
+def _resident_slots(cache: EmbeddingCache, rows: torch.Tensor) -> torch.Tensor:
+    """Cache slot of each host row, -1 if not resident: a lookup in the cache's own id -> slot index (the
+    sorted index's `slot_lookup`, or the hash index's `index_lookup`: same arguments). O(len(rows)).
+    Wanted from cache.py: a public `EmbeddingCache.slots_of(ids)` so this does not read the index layout."""
+    n = torch.full((1,), rows.numel(), dtype=torch.int64, device=cache.device)
+    lookup = getattr(kernels, "index_lookup", None) or kernels.slot_lookup
+    return lookup(cache.index_keys, cache.index_slots, rows, n)
+
+
+def _overwrite_rows(cache: EmbeddingCache, rows: torch.Tensor) -> None:
+    """After the host rows `rows` (weight, optimizer state, count) were rewritten: overwrite the cache slots
+    that hold them (with the cache's `_fill`), so no stale copy is read or written back."""
+    rows = rows.to(device=cache.device, dtype=torch.int64)
+    n = rows.numel()
+    if n == 0:
+        return
+    slots = _resident_slots(cache, rows)
+    resident = slots >= 0
+    cache._fill(torch.where(resident, rows, -1), slots, n)
+    cache.dirty.index_fill_(0, torch.where(resident, slots, cache.dump), False)
+
+
+class DynamicEmbeddingBag(nn.Module):
+    """nn.EmbeddingBag over raw int64 ids: an exact host index (id -> slab row) in front of a
+    CachedEmbeddingBag over a slab of `dynamic.capacity` rows. Built by
+    `CachedEmbeddingBag(None, dim, ..., dynamic=DynamicIds(...))` or directly.
+
+    Training forwards (module.training and grad enabled) count ids, admit, evict; eval forwards only read.
+    `padding_idx` is a raw id (every int64 is a valid id). Unknown or not yet admitted ids read the unadmitted
+    row (zero, or one shared trainable row), counted in `dynamic_stats()`.
+
+    Example::
+
+        >>> emb = DynamicEmbeddingBag(None, 4, mode="sum", dynamic=DynamicIds(capacity=1000),
+        ...                           optimizer=cachedemb.optim.SGD(lr=0.1))
+        >>> out = emb(torch.tensor([2**40, -7, 2**40]), torch.tensor([0, 2]))   # 2 bags, 2 new ids admitted
+    """
+
+    def __init__(self, num_embeddings: None, embedding_dim: int, max_norm: float | None = None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean",
+                 sparse: bool = False, _weight: torch.Tensor | None = None, include_last_offset: bool = False,
+                 padding_idx: int | None = None, device=None, dtype=None, *, dynamic: DynamicIds,
+                 optimizer: SparseOptimizer | None = None, cache_ratio: float = 0.01, cache_rows: int | None = None,
+                 **cache_kwargs):
+        super().__init__()
+        from cachedemb.embedding_bag import CachedEmbeddingBag
+
+        if num_embeddings is not None:
+            raise ValueError(f"with dynamic=DynamicIds(...) the id space is all of int64: pass num_embeddings=None "
+                             f"(rows are bounded by DynamicIds.capacity), got {num_embeddings!r}")
+        if not isinstance(dynamic, DynamicIds):
+            raise TypeError(f"dynamic must be a cachedemb.DynamicIds, got {type(dynamic).__name__}")
+        if _weight is not None:
+            raise ValueError("_weight cannot be given with dynamic ids: rows are created per id on admission")
+        if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)
+                                        or not -2 ** 63 <= padding_idx < 2 ** 63):
+            raise ValueError(f"padding_idx must be an int64 raw id or None, got {padding_idx!r}")
+        self.config = dynamic
+        self.embedding_dim, self.mode = int(embedding_dim), mode
+        self.padding_idx = padding_idx
+        self.optimizer = optimizer
+        cap = dynamic.capacity
+        self.unadmitted_row = cap
+        self.pad_row = cap + 1 if padding_idx is not None else None
+        num_rows = cap + 1 + (padding_idx is not None)
+        dtype = dtype or torch.get_default_dtype()
+        slab = torch.zeros(num_rows, self.embedding_dim, dtype=dtype)
+        inner = CachedEmbeddingBag(num_rows, self.embedding_dim, max_norm, norm_type, scale_grad_by_freq, mode,
+                                   sparse, slab, include_last_offset, self.pad_row, device, dtype,
+                                   _freeze=optimizer is None, optimizer=optimizer,
+                                   cache_ratio=cache_ratio, cache_rows=cache_rows, **cache_kwargs)
+        object.__setattr__(self, "inner", inner)  # not a child: state_dict is keyed by raw id (below)
+        self.index = IdIndex(size=4 * cap)
+        self.row_ids = torch.zeros(cap, dtype=torch.int64)  # raw id of each slab row (any int64: no sentinel)
+        self.row_slot = torch.full((cap,), -1, dtype=torch.int64)  # its index slot; -1: the row is free
+        self._row_slot_version = self.index.version
+        self.free_rows = torch.arange(cap - 1, -1, -1, dtype=torch.int64)  # a stack: the top is free_rows[n-1]
+        self.n_free = cap
+        self.step = 0
+        self.stats = dict.fromkeys(_STAT_NAMES, 0)
+        self._state_init = {name: init for name, (_, init) in
+                            (optimizer.state_layout(self.embedding_dim) if optimizer else {}).items()}
+        self._reset_unadmitted = True
+
+    # ----------------------------------------------------------------- host slab rows
+    @property
+    def cache(self) -> EmbeddingCache:
+        return self.inner.cache
+
+    def _write_rows(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Host rows get `values` and the optimizer's initial state; resident cache copies are overwritten."""
+        cache = self.cache
+        cache.host_weight[rows] = values.to(cache.dtype)
+        for name, state in cache.host_states.items():
+            state[rows] = self._state_init[name]
+        cache.host_freq[rows] = 0
+        _overwrite_rows(cache, rows)
+
+    def _zero_unadmitted(self) -> None:
+        if self.config.unadmitted == "zero" and self._reset_unadmitted:
+            row = torch.tensor([self.unadmitted_row])
+            self._write_rows(row, torch.zeros(1, self.embedding_dim))
+            self._reset_unadmitted = False
+
+    def _sync_row_slot(self) -> None:
+        if self._row_slot_version != self.index.version:
+            live = self.index.live_slots()
+            rows = self.index.row[live]
+            admitted = rows >= 0
+            self.row_slot[rows[admitted]] = live[admitted]
+            self._row_slot_version = self.index.version
+
+    # ----------------------------------------------------------------- remap
+    def _remap(self, input: torch.Tensor, train: bool) -> torch.Tensor:
+        if not torch.is_tensor(input) or input.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input must be an int64 (or int32) tensor of raw ids, got "
+                            f"{input.dtype if torch.is_tensor(input) else type(input).__name__}")
+        flat = input.reshape(-1).to(device="cpu", dtype=torch.int64)
+        keep = None
+        ids = flat
+        if self.padding_idx is not None:
+            keep = flat != self.padding_idx
+            ids = flat[keep]
+        uniq, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
+        rows_u = self._admit(uniq, counts) if train else self._find(uniq)
+        unadmitted = rows_u < 0
+        self.stats["unadmitted_lookups"] += int(counts[unadmitted].sum())
+        rows_u = torch.where(unadmitted, self.unadmitted_row, rows_u)
+        rows = rows_u[inverse]
+        if keep is not None:
+            rows = torch.full_like(flat, self.pad_row).masked_scatter_(keep, rows)
+        return rows.reshape(input.shape).to(input.device)
+
+    def _find(self, uniq: torch.Tensor) -> torch.Tensor:
+        """Row of each id, -1 when it has none (read-only)."""
+        slots = self.index.lookup(uniq)
+        return torch.where(slots >= 0, self.index.row[slots.clamp(min=0)], -1)
+
+    def _admit(self, uniq: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """A training forward's bookkeeping: sweep (every ttl_steps steps), count, admit, evict if full."""
+        cfg, index = self.config, self.index
+        if cfg.ttl_steps is not None and self.step > 0 and self.step % cfg.ttl_steps == 0:
+            self.evict_stale()
+        self.step += 1
+        index.reserve(uniq.numel())
+        slots = index.lookup(uniq)
+        new = slots < 0
+        if bool(new.any()):
+            version = index.version
+            slots[new] = index.insert(uniq[new])
+            if index.version != version:
+                slots = index.lookup(uniq)
+            self.stats["ids_seen"] += int(new.sum())
+        index.count[slots] += counts
+        index.last[slots] = self.step
+        rows_u = index.row[slots]
+        want = torch.nonzero((rows_u < 0) & (index.count[slots] >= cfg.min_count)).reshape(-1)
+        if want.numel():
+            short = want.numel() - self.n_free
+            if short > 0 and cfg.on_full != "reject":
+                self._evict_for(short, in_batch=rows_u[rows_u >= 0])
+            k = min(want.numel(), self.n_free)
+            self.stats["rejected"] += want.numel() - k
+            take = want[:k]  # ascending ids
+            rows = self.free_rows[self.n_free - k: self.n_free].flip(0)
+            self.n_free -= k
+            self._sync_row_slot()
+            index.row[slots[take]] = rows
+            self.row_ids[rows] = uniq[take]
+            self.row_slot[rows] = slots[take]
+            self._write_rows(rows, initial_rows(cfg.seed, uniq[take], self.embedding_dim))
+            self.stats["admitted"] += k
+            rows_u[take] = rows
+        self._reset_unadmitted = True  # a backward may update the unadmitted row
+        return rows_u
+
+    def _evict_for(self, need: int, in_batch: torch.Tensor) -> None:
+        """Evict up to `need` rows not used by this batch, least by (count, last seen, id) for evict_lfu,
+        (last seen, count, id) for evict_lru. O(capacity) on the host, only when the slab is full."""
+        self._sync_row_slot()
+        used = self.row_slot >= 0
+        used[in_batch] = False
+        cand = torch.nonzero(used).reshape(-1)
+        if cand.numel() == 0:
+            return
+        need = min(need, cand.numel())
+        slots = self.row_slot[cand]
+        count, last, ids = self.index.count[slots], self.index.last[slots], self.row_ids[cand]
+        keys = (count, last) if self.config.on_full == "evict_lfu" else (last, count)
+        if need < cand.numel():  # keep rows whose primary key is at most the need-th smallest
+            bound = torch.kthvalue(keys[0], need).values
+            sub = keys[0] <= bound
+            cand, ids, keys = cand[sub], ids[sub], (keys[0][sub], keys[1][sub])
+        order = torch.argsort(ids, stable=True)
+        order = order[torch.argsort(keys[1][order], stable=True)]
+        order = order[torch.argsort(keys[0][order], stable=True)]
+        self._evict_rows(cand[order[:need]])
+
+    def _evict_rows(self, rows: torch.Tensor) -> None:
+        """Drop the ids of these rows entirely (index entry, count); the rows go back on the free list. Their
+        contents are rewritten when a row is given out again."""
+        if rows.numel() == 0:
+            return
+        self._sync_row_slot()
+        self.index.remove(self.row_slot[rows])
+        self.row_slot[rows] = -1
+        self.free_rows[self.n_free: self.n_free + rows.numel()] = rows.sort(descending=True).values
+        self.n_free += rows.numel()
+        self.stats["evicted"] += rows.numel()
+
+    def evict_stale(self, ttl_steps: int | None = None) -> int:
+        """Evict every id (admitted or still counting) unseen in the last `ttl_steps` training steps (default:
+        the configured ttl_steps). O(tracked ids). Returns the number of admitted ids evicted."""
+        ttl = ttl_steps if ttl_steps is not None else self.config.ttl_steps
+        if ttl is None:
+            raise ValueError("evict_stale() needs ttl_steps: configure DynamicIds(ttl_steps=N) or pass it")
+        index = self.index
+        live = index.live_slots()
+        stale = live[self.step - index.last[live] >= ttl]
+        rows = index.row[stale]
+        admitted = rows >= 0
+        before = self.stats["evicted"]
+        self._evict_rows(rows[admitted])
+        pending = stale[~admitted]
+        index.remove(pending)
+        self.stats["expired"] += pending.numel()
+        return self.stats["evicted"] - before
+
+    # ----------------------------------------------------------------- nn.Module
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        train = self.training and torch.is_grad_enabled()
+        self._zero_unadmitted()
+        rows = self._remap(input, train)
+        self.inner.training = self.training
+        return self.inner(rows, offsets, per_sample_weights)
+
+    def prefetch_targets(self, batch) -> list[tuple[EmbeddingCache, torch.Tensor]]:
+        """Slab rows of `batch`'s currently admitted ids (read-only: admission happens in the forward, whose
+        rows the cache serves either way)."""
+        if isinstance(batch, dict):
+            batch = batch["input"]
+        elif isinstance(batch, (tuple, list)):
+            batch = batch[0]
+        uniq = torch.unique(batch.reshape(-1).to(device="cpu", dtype=torch.int64))
+        rows = self._find(uniq)
+        return [(self.cache, rows[rows >= 0].to(self.cache.device))]
+
+    def dynamic_stats(self) -> dict[str, int]:
+        """Counters since construction: ids_seen (distinct ids entered into the index), admitted, rejected (ids
+        due a row that found none free), evicted (admitted ids dropped: capacity or ttl), expired (counting ids
+        dropped by ttl), unadmitted_lookups (lookups served by the unadmitted row); and the current rows_in_use,
+        counting_ids (seen, not admitted), index_slots, max_probe (longest displacement in the index)."""
+        out = dict(self.stats)
+        out["rows_in_use"] = self.config.capacity - self.n_free
+        out["counting_ids"] = self.index.live - out["rows_in_use"]
+        out["index_slots"] = self.index.size
+        out["max_probe"] = self.index.max_disp
+        return out
+
+    def cache_stats(self) -> dict:
+        return self.inner.cache_stats()
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    # ----------------------------------------------------------------- checkpoints
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """Keyed by raw id, in id order (independent of slab layout): ids, weight, optimizer.<state>, counts,
+        last_seen; the ids still counting (pending_*); step, optimizer.step; the unadmitted row when it is
+        trained (shared). Plain tensors: loadable with torch.load(weights_only=True)."""
+        self.inner.flush()
+        cache, index = self.cache, self.index
+        live = index.live_slots()
+        rows = index.row[live]
+        admitted = rows >= 0
+        ids, order = torch.sort(index.keys[live[admitted]])
+        slots, rows = live[admitted][order], rows[admitted][order]
+        destination[prefix + "ids"] = ids
+        destination[prefix + "weight"] = cache.host_weight[rows].clone()
+        for name, state in cache.host_states.items():
+            destination[prefix + f"optimizer.{name}"] = state[rows].clone()
+        destination[prefix + "counts"] = index.count[slots].clone()
+        destination[prefix + "last_seen"] = index.last[slots].clone()
+        pending_ids, order = torch.sort(index.keys[live[~admitted]])
+        pending = live[~admitted][order]
+        destination[prefix + "pending_ids"] = pending_ids
+        destination[prefix + "pending_counts"] = index.count[pending].clone()
+        destination[prefix + "pending_last_seen"] = index.last[pending].clone()
+        destination[prefix + "step"] = torch.tensor(self.step, dtype=torch.int64)
+        destination[prefix + "optimizer.step"] = torch.tensor(self.inner.optimizer_step, dtype=torch.int64)
+        if self.config.unadmitted == "shared":
+            row = self.unadmitted_row
+            destination[prefix + "unadmitted.weight"] = cache.host_weight[row].clone()
+            for name, state in cache.host_states.items():
+                destination[prefix + f"unadmitted.optimizer.{name}"] = state[row].clone()
+
+    def _state_keys(self, prefix) -> list[str]:
+        names = list(self.cache.host_states)
+        keys = ["ids", "weight", "counts", "last_seen", "pending_ids", "pending_counts", "pending_last_seen",
+                "step", "optimizer.step"] + [f"optimizer.{n}" for n in names]
+        if self.config.unadmitted == "shared":
+            keys += ["unadmitted.weight"] + [f"unadmitted.optimizer.{n}" for n in names]
+        return [prefix + k for k in keys]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        keys = self._state_keys(prefix)
+        missing = [k for k in keys if k not in state_dict]
+        if missing:
+            missing_keys.extend(missing)
+            return
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in keys)
+        get = lambda name: state_dict[prefix + name]  # noqa: E731
+        ids, weight = get("ids").to(torch.int64), get("weight")
+        n, cap = ids.numel(), self.config.capacity
+        if n > cap or tuple(weight.shape) != (n, self.embedding_dim):
+            error_msgs.append(f"{prefix}weight: expected at most {cap} rows of {self.embedding_dim} "
+                              f"(DynamicIds.capacity, embedding_dim) matching {prefix}ids, got {tuple(weight.shape)} "
+                              f"for {n} ids")
+            return
+        cache = self.cache
+        cache.flush()
+        index = IdIndex(size=4 * cap)
+        rows = torch.arange(n, dtype=torch.int64)
+        slots = index.insert(ids)
+        index.row[slots], index.count[slots], index.last[slots] = rows, get("counts"), get("last_seen")
+        pending = index.insert(get("pending_ids").to(torch.int64))
+        index.count[pending], index.last[pending] = get("pending_counts"), get("pending_last_seen")
+        self.index, self._row_slot_version = index, index.version
+        self.row_ids.zero_()
+        self.row_ids[:n] = ids
+        self.row_slot.fill_(-1)
+        self.row_slot[:n] = slots
+        self.free_rows = torch.arange(cap - 1, n - 1, -1, dtype=torch.int64)
+        self.free_rows = torch.cat([self.free_rows, torch.zeros(n, dtype=torch.int64)])
+        self.n_free = cap - n
+        cache.host_weight[:n] = weight
+        for name, state in cache.host_states.items():
+            state[:n] = get(f"optimizer.{name}")
+        cache.host_freq.zero_()
+        if self.config.unadmitted == "shared":
+            cache.host_weight[self.unadmitted_row] = get("unadmitted.weight")
+            for name, state in cache.host_states.items():
+                state[self.unadmitted_row] = get(f"unadmitted.optimizer.{name}")
+        self.step = int(get("step"))
+        self.inner.optimizer_step = int(get("optimizer.step"))
+        self._reset_unadmitted = True
+        cache.reload()
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.inner.train(mode)
+        return self
+
+    def _apply(self, fn, recurse=True):
+        self.inner._apply(fn)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"None, {self.embedding_dim}, mode={self.mode!r}, dynamic={self.config}, cache={self.inner.cache.capacity}"
