@@ -189,6 +189,27 @@ class ShardedEmbeddingBag(nn.Module):
             state["optimizer.step"] = torch.tensor(self.shard.optimizer_step, dtype=torch.int64)
         return state
 
+    def state_keys(self) -> list[str]:
+        """The unsharded module's state_dict keys."""
+        keys = ["weight"]
+        if self.optimizer is not None:
+            keys += [f"optimizer.{name}" for name in self.optimizer.state_layout(self.embedding_dim)]
+            keys.append("optimizer.step")
+        return keys
+
+    def state_columns(self, key: str) -> int:
+        if key == "weight":
+            return self.embedding_dim
+        return self.optimizer.state_layout(self.embedding_dim)[key.split(".", 1)[1]][0]
+
+    def after_load(self, step: int | None) -> None:
+        """Rows were written into the host tensors in place (checkpoint load): re-read the cache."""
+        if self.shard is None:
+            return
+        if step is not None and self.optimizer is not None:
+            self.shard.optimizer_step = step
+        self.shard.cache.reload()
+
     def load_local_state(self, full_rows: dict[str, torch.Tensor]) -> None:
         """Copy this rank's rows [row_start, row_end) out of full-table tensors (keys as local_state)."""
         if self.shard is None:
