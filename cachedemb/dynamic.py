@@ -509,6 +509,21 @@ class DynamicEmbeddingBag(nn.Module):
     def flush(self) -> None:
         self.inner.flush()
 
+    def export_keyed(self) -> "KeyedEmbeddingBag":
+        """A plain keyed lookup (sorted ids + rows, searchsorted, F.embedding_bag) equal to this module's eval
+        forward for every id, unknown ids included; traceable by torch.export. Copies the admitted rows."""
+        self.inner.flush()
+        index, cache = self.index, self.cache
+        live = index.live_slots()
+        rows = index.row[live]
+        admitted = rows >= 0
+        ids, order = torch.sort(index.keys[live[admitted]])
+        rows = rows[admitted][order]
+        self._zero_unadmitted()
+        extra = [self.unadmitted_row] + ([self.pad_row] if self.pad_row is not None else [])
+        weight = cache.host_weight[torch.cat([rows, torch.tensor(extra)])].clone()
+        return KeyedEmbeddingBag(ids, weight, self.mode, self.padding_idx, self.inner.include_last_offset)
+
     # ----------------------------------------------------------------- checkpoints
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """Keyed by raw id, in id order (independent of slab layout): ids, weight, optimizer.<state>, counts,
@@ -604,3 +619,32 @@ class DynamicEmbeddingBag(nn.Module):
 
     def extra_repr(self) -> str:
         return f"None, {self.embedding_dim}, mode={self.mode!r}, dynamic={self.config}, cache={self.inner.cache.capacity}"
+
+
+class KeyedEmbeddingBag(nn.Module):
+    """Raw int64 ids -> rows by binary search over sorted `ids`; unknown ids read row n (the unadmitted row),
+    the raw `padding_idx` reads row n + 1 (excluded from pooling, as nn.EmbeddingBag's padding_idx)."""
+
+    def __init__(self, ids: torch.Tensor, weight: torch.Tensor, mode: str, padding_idx: int | None,
+                 include_last_offset: bool = False):
+        super().__init__()
+        n = ids.numel()
+        # One trailing key so the search result can always be read back (it never counts as found: pos < n).
+        self.register_buffer("ids", torch.cat([ids, torch.zeros(1, dtype=torch.int64)]))
+        self.register_buffer("weight", weight)
+        self.n, self.mode, self.padding_idx = n, mode, padding_idx
+        self.include_last_offset = include_last_offset
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        raw = input.to(torch.int64)
+        pos = torch.searchsorted(self.ids[: self.n], raw)
+        found = (pos < self.n) & (self.ids[pos] == raw)
+        rows = torch.where(found, pos, self.n)
+        pad = None
+        if self.padding_idx is not None:
+            pad = self.n + 1
+            rows = torch.where(raw == self.padding_idx, pad, rows)
+        return nn.functional.embedding_bag(rows, self.weight, offsets, mode=self.mode,
+                                           per_sample_weights=per_sample_weights,
+                                           include_last_offset=self.include_last_offset, padding_idx=pad)
