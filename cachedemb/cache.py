@@ -2,7 +2,9 @@
 
 Host side (pinned when CUDA exists): the full table, the optimizer state of every row, and every id's access
 count. Device side, all O(cache rows): the cached rows and their optimizer state, slot -> id, per-slot count,
-last use and dirty bit, and a sorted id index for lookups.
+last use and dirty bit, and an id -> slot hash index (`kernels.id_index`): a batch looks up its distinct ids and
+inserts / deletes only its misses and their victims' ids. Its tombstones are cleared by a rebuild (O(cache))
+that runs only once enough inserts could have filled the table (`seconds["index_rebuild"]`).
 
 When a batch's unique ids cannot all be resident at once (more misses than free slots, e.g. while a prefetch
 window protects most slots), the rest are served straight from the host table through pinned memory: the
@@ -23,7 +25,7 @@ import torch
 
 from cachedemb import kernels
 from cachedemb.host_memory import host_empty, pinned_copy
-from cachedemb.kernels import EMPTY_KEY
+from cachedemb.kernels import id_index
 from cachedemb.policy import Policy, SlotView, resolve
 from cachedemb.sync_mode import counts_on_host
 
@@ -117,7 +119,7 @@ class EmbeddingCache:
             raise ValueError(f"history must be >= 0 batches, got {history}")
         self.history = torch.zeros(history, len(STAT_NAMES), dtype=torch.int64, device=self.device)
         self.history_batches = 0
-        self.seconds = {"prepare": 0.0, "admit_window": 0.0, "flush": 0.0}
+        self.seconds = {"prepare": 0.0, "admit_window": 0.0, "flush": 0.0, "index_rebuild": 0.0}
         if freq_halflife is not None and (not isinstance(freq_halflife, int) or freq_halflife < 1):
             raise ValueError(f"freq_halflife must be None or a positive number of batches, got {freq_halflife!r}")
         self.freq_halflife = freq_halflife
@@ -141,8 +143,11 @@ class EmbeddingCache:
         self.dirty = torch.zeros(slots + 1, dtype=torch.bool, device=dev)
         self.next_use = torch.full((self.capacity,), -1, dtype=torch.int64, device=dev)
         self.protected = torch.zeros(self.capacity + 1, dtype=torch.bool, device=dev)
-        self.index_keys = torch.full((self.capacity,), EMPTY_KEY, dtype=torch.int64, device=dev)
-        self.index_slots = torch.arange(self.capacity, dtype=torch.int64, device=dev)
+        self.index_keys, self.index_slots = id_index.new_index(self.capacity, dev)
+        # Host-side bound on the table positions not EMPTY (resident ids + tombstones): a rebuild clears the
+        # tombstones before it passes 5/8 of the table, so probe chains stay short.
+        self._index_used = 0
+        self._index_limit = (id_index.index_size(self.capacity) * 5) // 8
 
     def _set_rows(self, data: torch.Tensor) -> None:
         self.rows = data
@@ -210,10 +215,32 @@ class EmbeddingCache:
         index = torch.where(live & (index >= 0), index, torch.full_like(index, self.dump))
         target.index_put_((index,), values)
 
+    def _early_exit(self) -> bool:
+        return counts_on_host(self.device)
+
     def _rebuild_index(self) -> None:
+        """Lay the index out afresh from slot_ids (O(cache), tombstones cleared). A resident id the bounded probe
+        could not reach (astronomically rare at this load) is evicted: written back, its slot emptied."""
+        start = time.perf_counter()
         ids = self.slot_ids[: self.capacity]
-        keys = torch.where(ids >= 0, ids, torch.full_like(ids, EMPTY_KEY))
-        self.index_keys, self.index_slots = torch.sort(keys)
+        slots = torch.arange(self.capacity, device=self.device)
+        ok = id_index.index_build(self.index_keys, self.index_slots, ids, slots)
+        dropped = (ids >= 0) & ok.logical_not()
+        none = torch.full_like(ids, -1)
+        dirty_ids = torch.where(dropped & self.dirty[: self.capacity], ids, none)
+        self._copy_out(slots, dirty_ids, torch.where(dropped, ids, none), self.capacity)
+        self.bump_stats(rows_out=(dirty_ids >= 0).sum().reshape(1), evictions=dropped.sum().reshape(1))
+        drop_slots = torch.where(dropped, slots, torch.full_like(slots, self.dump))
+        self.slot_ids.index_fill_(0, drop_slots, -1)
+        self.dirty.index_fill_(0, drop_slots, False)
+        self._index_used = self._on_host((ids >= 0).sum(), self.capacity)
+        self.seconds["index_rebuild"] += time.perf_counter() - start
+
+    def _index_reserve(self, count: int) -> None:
+        """Up to `count` ids may be inserted next: rebuild first if they could push the index past its limit."""
+        if self._index_used + count > self._index_limit:
+            self._rebuild_index()
+        self._index_used += count
 
     # ----------------------------------------------------------------- per-batch planning
     def prepare(self, ids: torch.Tensor, padding_idx: int | None = None, train: bool = True) -> BatchPlan:
@@ -348,7 +375,10 @@ class EmbeddingCache:
         metadata is updated either way."""
         dev = self.device
         cap = uniq.numel()
-        slot = kernels.slot_lookup(self.index_keys, self.index_slots, uniq, n_uniq)
+        early = self._early_exit()
+        # Before the lookup: a rebuild may (very rarely) evict a row, which must not be one of this batch's hits.
+        self._index_reserve(min(cap, self.capacity))
+        slot = kernels.index_lookup(self.index_keys, self.index_slots, uniq, n_uniq, early)
         live = torch.arange(cap, device=dev) < n_uniq
         is_hit = live & (slot >= 0)
         is_miss = live & (slot < 0)
@@ -361,6 +391,7 @@ class EmbeddingCache:
         n_free = (self.capacity - protected.sum()).reshape(1)
         n_admit = torch.minimum(n_miss, n_free)
         miss_count = self._on_host(n_miss, cap)
+        self._index_used -= min(cap, self.capacity) - min(miss_count, self.capacity)  # exact where counts are free
         k = max(1, min(miss_count, self.capacity))
         view = SlotView(self.slot_ids[: self.capacity], self.slot_freq[: self.capacity],
                         self.slot_last_use[: self.capacity], self.next_use, protected, self._table_rank())
@@ -375,30 +406,41 @@ class EmbeddingCache:
         else:
             dest = torch.full_like(rank, -1)
         loc_u = torch.where(is_hit, slot, torch.where(is_miss, dest, torch.full_like(slot, -1)))
-        n_host = n_miss - n_admit
-        self.bump_stats(rows_in=n_miss - n_host, host_rows=n_host)
-
         move = None
         if miss_count > 0:
+            # Index first: the evicted ids out, then the admitted ones in; a miss the bounded probe cannot place
+            # (rare) is served from the host and leaves its victim slot empty.
+            old_ids = self.slot_ids[victims]
+            used = torch.arange(k, device=dev) < n_admit
+            id_index_args = (self.index_keys, self.index_slots)
+            kernels.index_delete(*id_index_args, torch.where(used, old_ids, torch.full_like(old_ids, -1)), k, early)
+            admitted = is_miss & (dest >= 0)
+            placed = kernels.index_insert(*id_index_args, torch.where(admitted, uniq, torch.full_like(uniq, -1)),
+                                          dest, cap, early)
+            unplaced = admitted & placed.logical_not()
+            dest = torch.where(unplaced, overflow, dest)
+            loc_u = torch.where(unplaced, overflow, loc_u)
+            n_unplaced = unplaced.sum().reshape(1)
+            n_admit_used = n_admit - n_unplaced
+            self.bump_stats(rows_in=n_admit_used, host_rows=n_miss - n_admit_used)
             rank_slot = torch.where(is_miss, rank, torch.full_like(rank, cap))
             miss_ids = torch.full((cap + 1,), -1, dtype=torch.int64, device=dev)
             miss_dest = torch.full((cap + 1,), -1, dtype=torch.int64, device=dev)
             miss_ids.index_put_((rank_slot,), uniq)
             # Host-served misses get no slot (-1): no copy, no metadata.
             miss_dest.index_put_((rank_slot,), torch.where(dest >= 0, dest, torch.full_like(dest, -1)))
-            old_ids = self.slot_ids[victims]
-            used = torch.arange(k, device=dev) < n_admit
             dirty_ids = torch.where(self.dirty[victims] & (old_ids >= 0), old_ids, torch.full_like(old_ids, -1))
             evicted = ((old_ids >= 0) & used).sum().reshape(1)
             written = ((dirty_ids >= 0) & used).sum().reshape(1)
             move = RowMove(victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest, n_miss)
             if transfer:
                 self._move_rows(move)
+            self._masked_put(self.slot_ids, victims, torch.full_like(victims, -1), n_admit)
+            self._masked_put(self.dirty, victims, torch.zeros_like(victims, dtype=torch.bool), n_admit)
             self._masked_put(self.slot_ids, miss_dest, miss_ids, n_miss)
             self._masked_put(self.dirty, miss_dest, torch.zeros_like(miss_dest, dtype=torch.bool), n_miss)
             # Admission counts as a use for recency (else a row would inherit its victim's last use).
             self._masked_put(self.slot_last_use, miss_dest, torch.full_like(miss_dest, self.batch_counter), n_miss)
-            self._rebuild_index()
             self.bump_stats(evictions=evicted, rows_out=written)
         return loc_u, live, n_hit, n_miss, move
 

@@ -2,6 +2,7 @@
 the op's public name dispatches (Triton on CUDA, reference elsewhere; CACHEDEMB_BACKEND forces one)."""
 from .bag_backward import bag_backward, bag_backward_torch, bag_of_lookup, lookup_scale, per_sample_weights_grad
 from .dispatch import backend_for, forced_backend, triton_available
+from .id_index import index_build, index_delete, index_insert, index_lookup, index_lookup_torch
 from .pooled_forward import (
     HOST_LOC,
     MODE_MAX,
