@@ -93,6 +93,9 @@ class EmbeddingCache:
         num_rows, dim = host_weight.shape
         if not 1 <= capacity <= max(num_rows, 1):
             raise ValueError(f"cache capacity must be in [1, {num_rows}] rows, got {capacity}")
+        if num_rows > id_index.MAX_ID or capacity > id_index.SLOT_MASK:
+            raise ValueError(f"the id index packs ids < 2^33 and slots < 2^30, got a table of {num_rows} rows and "
+                             f"a cache of {capacity}: shard the table")
         self.num_rows, self.dim, self.capacity = num_rows, dim, int(capacity)
         self.device = torch.device(device)
         self.dtype = host_weight.dtype
@@ -143,7 +146,9 @@ class EmbeddingCache:
         self.dirty = torch.zeros(slots + 1, dtype=torch.bool, device=dev)
         self.next_use = torch.full((self.capacity,), -1, dtype=torch.int64, device=dev)
         self.protected = torch.zeros(self.capacity + 1, dtype=torch.bool, device=dev)
-        self.index_keys, self.index_slots = id_index.new_index(self.capacity, dev)
+        # The id index packs each resident id with its slot in one int64 entry; index_slots stays empty.
+        self.index_keys = id_index.new_index(self.capacity, dev)
+        self.index_slots = torch.empty(0, dtype=torch.int64, device=dev)
         # Host-side bound on the table positions not EMPTY (resident ids + tombstones): a rebuild clears the
         # tombstones before it passes 5/8 of the table, so probe chains stay short.
         self._index_used = 0
@@ -224,7 +229,7 @@ class EmbeddingCache:
         start = time.perf_counter()
         ids = self.slot_ids[: self.capacity]
         slots = torch.arange(self.capacity, device=self.device)
-        ok = id_index.index_build(self.index_keys, self.index_slots, ids, slots)
+        ok = id_index.index_build(self.index_keys, ids, slots)
         dropped = (ids >= 0) & ok.logical_not()
         none = torch.full_like(ids, -1)
         dirty_ids = torch.where(dropped & self.dirty[: self.capacity], ids, none)
@@ -378,7 +383,7 @@ class EmbeddingCache:
         early = self._early_exit()
         # Before the lookup: a rebuild may (very rarely) evict a row, which must not be one of this batch's hits.
         self._index_reserve(min(cap, self.capacity))
-        slot = kernels.index_lookup(self.index_keys, self.index_slots, uniq, n_uniq, early)
+        slot = kernels.index_lookup(self.index_keys, uniq, n_uniq, early)
         live = torch.arange(cap, device=dev) < n_uniq
         is_hit = live & (slot >= 0)
         is_miss = live & (slot < 0)
@@ -412,10 +417,9 @@ class EmbeddingCache:
             # (rare) is served from the host and leaves its victim slot empty.
             old_ids = self.slot_ids[victims]
             used = torch.arange(k, device=dev) < n_admit
-            id_index_args = (self.index_keys, self.index_slots)
-            kernels.index_delete(*id_index_args, torch.where(used, old_ids, torch.full_like(old_ids, -1)), k, early)
+            kernels.index_delete(self.index_keys, torch.where(used, old_ids, torch.full_like(old_ids, -1)), k, early)
             admitted = is_miss & (dest >= 0)
-            placed = kernels.index_insert(*id_index_args, torch.where(admitted, uniq, torch.full_like(uniq, -1)),
+            placed = kernels.index_insert(self.index_keys, torch.where(admitted, uniq, torch.full_like(uniq, -1)),
                                           dest, cap, early)
             unplaced = admitted & placed.logical_not()
             dest = torch.where(unplaced, overflow, dest)

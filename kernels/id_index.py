@@ -1,15 +1,16 @@
 """id -> cache slot index: an open-addressing hash table on the device, O(distinct ids) per lookup batch and
 O(misses) per insert / delete batch (the sorted index it replaces was re-sorted whole after every admission).
 
-Layout: `keys [H + 1]` int64 and `vals [H + 1]` int32 with H a power of two >= 2 x cache rows; position H is a
-dump target for masked scatters (never probed). A key is EMPTY (-1), TOMB (-2, a deleted key: probes go past it,
-inserts reuse it) or a resident id (>= 0). An id's home is the low bits of murmur3's 64-bit finalizer, so ids
+Layout: one int64 table `keys [H]`, H a power of two >= 2 x cache rows (16 bytes per cache row when the row count
+is a power of two). An entry is EMPTY (-1), TOMB (-2, a deleted id: probes go past it, inserts reuse it) or a
+resident id and its slot packed as `id << 30 | slot` (ids < 2^33, slots < 2^30), so one load per probe compares
+the id and yields the slot. An id's home is the low bits of murmur3's 64-bit finalizer, so ids
 equal in their low bits (multiples of 2^32, strided ids) spread over the table. Linear probing, bounded: no key
 sits more than MAX_PROBE positions past its home, so a lookup stops at the id, at an EMPTY, or after MAX_PROBE.
 
 Inserts run in rounds, each a scan then a claim, so the layout does not depend on thread order: every pending
 key looks at the next PROBE_WINDOW positions for the first free one (EMPTY or TOMB) and proposes there; per
-position the largest proposing key wins (an atomic max, commutative); losers go on past that position. A key not
+position the largest proposing entry (= the largest id) wins (an atomic max, commutative); losers go on past that position. A key not
 placed within MAX_PROBE positions or INSERT_ROUNDS rounds is reported not inserted (the cache then serves that id
 from the host). `index_build` lays out a whole set of keys at once (sort by home, cummax), for the rare rebuild
 that clears the tombstones.
@@ -32,6 +33,11 @@ INSERT_ROUNDS = 24
 _M1 = 0xFF51AFD7ED558CCD - (1 << 64)  # murmur3 fmix64 multipliers as signed int64
 _M2 = 0xC4CEB9FE1A85EC53 - (1 << 64)
 _LOW31 = (1 << 31) - 1
+SLOT_BITS = 30
+SLOT_MASK = (1 << SLOT_BITS) - 1
+MAX_ID = 1 << 33  # ids below this pack with a slot into one int64
+_NO_CHANGE_MAX = torch.iinfo(torch.int64).min  # scatter_reduce("amax") value that changes nothing
+_NO_CHANGE_MIN = torch.iinfo(torch.int64).max
 
 
 def index_size(capacity: int) -> int:
@@ -39,12 +45,13 @@ def index_size(capacity: int) -> int:
     return max(16, triton.next_power_of_2(2 * int(capacity)))
 
 
-def new_index(capacity: int, device) -> tuple:
-    """An empty index: (keys [H + 1] int64, vals [H + 1] int32)."""
-    size = index_size(capacity)
-    keys = torch.full((size + 1,), EMPTY, dtype=torch.int64, device=device)
-    vals = torch.full((size + 1,), -1, dtype=torch.int32, device=device)
-    return keys, vals
+def new_index(capacity: int, device) -> torch.Tensor:
+    """An empty index: keys [H] int64."""
+    return torch.full((index_size(capacity),), EMPTY, dtype=torch.int64, device=device)
+
+
+def pack(ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    return (ids << SLOT_BITS) | slots.to(torch.int64)
 
 
 def mix_torch(ids: torch.Tensor) -> torch.Tensor:
@@ -67,11 +74,12 @@ def _live_mask(n_items: int, n, device) -> torch.Tensor:
 # ---------------------------------------------------------------- reference
 
 
-def index_find_torch(keys: torch.Tensor, query: torch.Tensor, n_query, early_exit: bool = False) -> torch.Tensor:
-    """Table position of each of the first n_query ids of `query` [B]; -1 for an absent or negative id."""
-    size = keys.numel() - 1
+def index_find_torch(keys: torch.Tensor, query: torch.Tensor, n_query, early_exit: bool = False):
+    """(position, slot) of each of the first n_query ids of `query` [B]; -1 for an absent or negative id."""
+    size = keys.numel()
     mask = size - 1
     pos = torch.full_like(query, -1)
+    slot = torch.full_like(query, -1)
     active = _live_mask(query.numel(), n_query, query.device) & (query >= 0)
     home = _home(query, size)
     offs = torch.arange(PROBE_WINDOW, device=query.device)
@@ -84,52 +92,56 @@ def index_find_torch(keys: torch.Tensor, query: torch.Tensor, n_query, early_exi
         p = (home[idx, None] + start + offs) & mask  # [n, W]
         k = keys[p]
         a = active[idx]
-        hit = (k == query[idx, None]) & a[:, None]
+        hit = (k >= 0) & ((k >> SLOT_BITS) == query[idx, None]) & a[:, None]
         found = hit.any(1)
         first = hit.to(torch.int8).argmax(1, keepdim=True)
         pos[idx] = torch.where(found, p.gather(1, first).squeeze(1), pos[idx])
+        slot[idx] = torch.where(found, k.gather(1, first).squeeze(1) & SLOT_MASK, slot[idx])
         active[idx] = a & (hit | (k == EMPTY)).any(1).logical_not()
-    return pos
+    return pos, slot
 
 
-def index_lookup_torch(keys, vals, query, n_query, early_exit: bool = False) -> torch.Tensor:
+def index_lookup_torch(keys, query, n_query, early_exit: bool = False) -> torch.Tensor:
     """Slot of each of the first n_query ids of `query` [B] (int64); -1 for a miss, a negative id, or past n."""
-    pos = index_find_torch(keys, query, n_query, early_exit)
+    return index_find_torch(keys, query, n_query, early_exit)[1]
+
+
+def _tombstone(keys, pos) -> None:
+    """keys[pos] = TOMB where pos >= 0 (a min: TOMB is below every entry; other lanes change nothing)."""
     found = pos >= 0
-    return torch.where(found, vals[pos.clamp(min=0)].to(torch.int64), torch.full_like(pos, -1))
+    keys.scatter_reduce_(0, pos.clamp(min=0), torch.where(found, torch.full_like(pos, TOMB),
+                                                          torch.full_like(pos, _NO_CHANGE_MIN)), "amin")
 
 
-def index_delete_torch(keys, vals, ids, n, early_exit: bool = False) -> None:
+def index_delete_torch(keys, ids, n, early_exit: bool = False) -> None:
     """Tombstone the first n `ids` (negative or absent ids are skipped)."""
-    pos = index_find_torch(keys, ids, n, early_exit)
-    dump = keys.numel() - 1
-    keys.index_put_((torch.where(pos >= 0, pos, dump),),
-                    torch.where(pos >= 0, torch.full_like(pos, TOMB), torch.full_like(pos, EMPTY)))
+    _tombstone(keys, index_find_torch(keys, ids, n, early_exit)[0])
 
 
-def _scan_torch(keys, ids, home, dist, pending):
-    """One scan: first free position in the window [dist, dist + W) of each pending key (H: none).
+def _scan_torch(keys, home, dist, pending):
+    """One scan: first free position in the window [dist, dist + W) of each pending key (-1: none).
     Returns (target, target distance, dist for keys that found none)."""
-    size = keys.numel() - 1
-    d = dist[:, None] + torch.arange(PROBE_WINDOW, device=ids.device)
+    size = keys.numel()
+    d = dist[:, None] + torch.arange(PROBE_WINDOW, device=dist.device)
     p = (home[:, None] + d) & (size - 1)
     free = (keys[p] < 0) & (d < MAX_PROBE) & pending[:, None]
     has = free.any(1)
     first = free.to(torch.int8).argmax(1, keepdim=True)
-    target = torch.where(has, p.gather(1, first).squeeze(1), torch.full_like(dist, size))
+    target = torch.where(has, p.gather(1, first).squeeze(1), torch.full_like(dist, -1))
     tdist = dist + first.squeeze(1)
     dist = torch.where(pending & has.logical_not(), dist + PROBE_WINDOW, dist)
     return target, tdist, dist
 
 
-def index_insert_torch(keys, vals, ids, slots, n, early_exit: bool = False) -> torch.Tensor:
+def index_insert_torch(keys, ids, slots, n, early_exit: bool = False) -> torch.Tensor:
     """Insert the first n (id, slot) pairs (ids distinct and absent; negative ids skipped). Returns ok [B] bool:
     False for a skipped id and for one not placed within MAX_PROBE positions / INSERT_ROUNDS rounds."""
-    size = keys.numel() - 1
+    size = keys.numel()
     dev = ids.device
     pending = _live_mask(ids.numel(), n, dev) & (ids >= 0)
     ok = torch.zeros_like(pending)
     home = _home(ids, size)
+    entry = pack(ids.clamp(min=0), slots.clamp(min=0))
     dist = torch.zeros_like(ids)
     idx = torch.arange(ids.numel(), device=dev)
     for _ in range(INSERT_ROUNDS):
@@ -137,13 +149,12 @@ def index_insert_torch(keys, vals, ids, slots, n, early_exit: bool = False) -> t
             idx = pending.nonzero().squeeze(1)
             if idx.numel() == 0:
                 break
-        i_ids, i_pend = ids[idx], pending[idx]
-        target, tdist, i_dist = _scan_torch(keys, i_ids, home[idx], dist[idx], i_pend)
-        proposer = target < size
-        keys.scatter_reduce_(0, target, torch.where(proposer, i_ids, torch.full_like(i_ids, EMPTY)), "amax")
-        won = proposer & (keys[target] == i_ids)
-        vals.index_put_((torch.where(won, target, size),),
-                        torch.where(won, slots[idx], torch.full_like(target, -1)).to(vals.dtype))
+        i_entry, i_pend = entry[idx], pending[idx]
+        target, tdist, i_dist = _scan_torch(keys, home[idx], dist[idx], i_pend)
+        proposer = target >= 0
+        at = target.clamp(min=0)
+        keys.scatter_reduce_(0, at, torch.where(proposer, i_entry, torch.full_like(i_entry, _NO_CHANGE_MAX)), "amax")
+        won = proposer & (keys[at] == i_entry)
         i_dist = torch.where(proposer & won.logical_not(), tdist + 1, i_dist)
         ok[idx] = ok[idx] | won
         dist[idx] = i_dist
@@ -151,12 +162,12 @@ def index_insert_torch(keys, vals, ids, slots, n, early_exit: bool = False) -> t
     return ok
 
 
-def index_build(keys, vals, ids, slots) -> torch.Tensor:
+def index_build(keys, ids, slots) -> torch.Tensor:
     """Lay out every (id >= 0, slot) pair from scratch (tombstones cleared) in O(n log n) with no rounds: keys
     sorted by (home, id) take position i + cummax(home - i) (linear probing in that order); the run that wraps
     past the end is placed at the front. Keys that would sit MAX_PROBE or more past their home become TOMB (the
     probe chains of later keys stay whole). Returns ok [n] bool. Backend-independent (sort + cummax)."""
-    size = keys.numel() - 1
+    size = keys.numel()
     dev = ids.device
     n = ids.numel()
     live = ids >= 0
@@ -174,18 +185,12 @@ def index_build(keys, vals, ids, slots) -> torch.Tensor:
     h = home[order]
     pos = i + torch.cummax(h2[order2].clamp(min=0) - i, 0).values
     dist = (pos - h) & (size - 1)
-    live_s = live[order]
-    placed = live_s & (pos < size)
+    placed = live[order] & (pos < size)
     ok_s = placed & (dist < MAX_PROBE)
-    keys.fill_(EMPTY)
-    vals.fill_(-1)
-    dump = torch.full_like(pos, size)
-    keys.index_put_((torch.where(placed, pos, dump),),
-                    torch.where(ok_s, ids[order], torch.where(placed, torch.full_like(pos, TOMB),
-                                                              torch.full_like(pos, EMPTY))))
-    keys[size] = EMPTY
-    vals.index_put_((torch.where(ok_s, pos, dump),), torch.where(ok_s, slots[order], -1).to(vals.dtype))
-    vals[size] = -1
+    entry = torch.where(ok_s, pack(ids[order].clamp(min=0), slots[order].clamp(min=0)), torch.full_like(pos, TOMB))
+    table = torch.full((size + 1,), EMPTY, dtype=torch.int64, device=dev)  # + a dump position for the rest
+    table.index_put_((torch.where(placed, pos, torch.full_like(pos, size)),), entry)
+    keys.copy_(table[:size])
     ok = torch.zeros(n, dtype=torch.bool, device=dev)
     ok[order] = ok_s
     return ok
@@ -204,8 +209,7 @@ def _mix(x):
 
 
 @triton.jit(do_not_specialize=["B"])
-def index_find_kernel(p_keys, p_vals, p_query, n_ptr, o_pos, o_slot, B, MASK, MAX_P: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def index_find_kernel(p_keys, p_query, n_ptr, o_pos, o_slot, B, MASK, MAX_P: tl.constexpr, BLOCK: tl.constexpr):
     """Probe from each query's home until the id, an EMPTY, or MAX_P positions; the block stops when all its
     lanes did."""
     i_b = tl.program_id(0)
@@ -216,47 +220,45 @@ def index_find_kernel(p_keys, p_vals, p_query, n_ptr, o_pos, o_slot, B, MASK, MA
     b_home = _mix(b_q) & MASK
     m_act = m_i & (o_i < n) & (b_q >= 0)
     b_pos = tl.zeros([BLOCK], dtype=tl.int64) - 1
+    b_slot = tl.zeros([BLOCK], dtype=tl.int64) - 1
     d = 0
     n_act = tl.sum(m_act.to(tl.int32), 0)
     while n_act > 0:
         b_p = (b_home + d) & MASK
         b_k = tl.load(p_keys + b_p, mask=m_act, other=-1)
-        m_hit = m_act & (b_k == b_q)
+        m_hit = m_act & (b_k >= 0) & ((b_k >> 30) == b_q)
         b_pos = tl.where(m_hit, b_p, b_pos)
-        m_act = m_act & (b_k != b_q) & (b_k != -1) & (d + 1 < MAX_P)
+        b_slot = tl.where(m_hit, b_k & 0x3FFFFFFF, b_slot)
+        m_act = m_act & (m_hit == 0) & (b_k != -1) & (d + 1 < MAX_P)
         d += 1
         n_act = tl.sum(m_act.to(tl.int32), 0)
-    m_found = b_pos >= 0
-    b_slot = tl.load(p_vals + b_pos, mask=m_found, other=-1).to(tl.int64)
     tl.store(o_pos + o_i, b_pos, mask=m_i)
-    tl.store(o_slot + o_i, tl.where(m_found, b_slot, -1), mask=m_i)
+    tl.store(o_slot + o_i, b_slot, mask=m_i)
 
 
 @triton.jit(do_not_specialize=["B"])
-def index_insert_round_kernel(p_keys, p_vals, p_ids, p_slots, p_pend, p_dist, p_target, p_tdist, o_ok, B, H,
+def index_insert_round_kernel(p_keys, p_entry, p_home, p_pend, p_dist, p_target, p_tdist, o_ok, B, H,
                               RESOLVE: tl.constexpr, MAX_P: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
-    """RESOLVE: the claims of the last round are final; each proposer whose id holds its target won (writes its
-    slot), the others go on past the target. Then every pending key scans its next W positions for the first
-    free one and records it as its target (H: none)."""
+    """RESOLVE: the claims of the last round are final; each proposer whose entry holds its target won, the
+    others go on past the target. Then every pending key scans its next W positions for the first free one and
+    records it as its target (-1: none)."""
     i_b = tl.program_id(0)
     o_i = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m_i = o_i < B
-    b_id = tl.load(p_ids + o_i, mask=m_i, other=-1)
     m_pend = tl.load(p_pend + o_i, mask=m_i, other=0) != 0
     b_dist = tl.load(p_dist + o_i, mask=m_i, other=0)
     if RESOLVE:
-        b_t = tl.load(p_target + o_i, mask=m_i, other=H)
-        m_prop = m_pend & (b_t < H)
+        b_entry = tl.load(p_entry + o_i, mask=m_i, other=-1)
+        b_t = tl.load(p_target + o_i, mask=m_i, other=-1)
+        m_prop = m_pend & (b_t >= 0)
         b_at = tl.load(p_keys + b_t, mask=m_prop, other=-1)
-        m_won = m_prop & (b_at == b_id)
-        m_lost = m_prop & (b_at != b_id)
-        b_slot = tl.load(p_slots + o_i, mask=m_won, other=-1)
-        tl.store(p_vals + b_t, b_slot.to(tl.int32), mask=m_won)
+        m_won = m_prop & (b_at == b_entry)
+        m_lost = m_prop & (b_at != b_entry)
         tl.store(o_ok + o_i, m_won.to(tl.int8), mask=m_won)
         b_dist = tl.where(m_lost, tl.load(p_tdist + o_i, mask=m_lost, other=0) + 1, b_dist)
-        m_pend = m_pend & (b_at != b_id) & (b_dist < MAX_P)
-    b_home = _mix(b_id) & (H - 1)
-    b_target = tl.zeros([BLOCK], dtype=tl.int64) + H
+        m_pend = m_pend & (m_won == 0) & (b_dist < MAX_P)
+    b_home = tl.load(p_home + o_i, mask=m_i, other=0)
+    b_target = tl.zeros([BLOCK], dtype=tl.int64) - 1
     b_tdist = b_dist
     m_look = m_pend
     for j in tl.static_range(W):
@@ -268,7 +270,7 @@ def index_insert_round_kernel(p_keys, p_vals, p_ids, p_slots, p_pend, p_dist, p_
         b_target = tl.where(m_free, b_p, b_target)
         b_tdist = tl.where(m_free, b_d, b_tdist)
         m_look = m_look & (m_free == 0)
-    m_none = m_pend & (b_target == H)
+    m_none = m_pend & (b_target < 0)
     b_dist = tl.where(m_none, b_dist + W, b_dist)
     m_pend = m_pend & (b_dist < MAX_P)
     tl.store(p_target + o_i, b_target, mask=m_i)
@@ -278,16 +280,16 @@ def index_insert_round_kernel(p_keys, p_vals, p_ids, p_slots, p_pend, p_dist, p_
 
 
 @triton.jit(do_not_specialize=["B"])
-def index_claim_kernel(p_keys, p_ids, p_pend, p_target, B, H, BLOCK: tl.constexpr):
-    """Every proposer claims its target; the largest id wins (atomic max: the same result in any order)."""
+def index_claim_kernel(p_keys, p_entry, p_pend, p_target, B, BLOCK: tl.constexpr):
+    """Every proposer claims its target; the largest entry (id) wins (atomic max: the same result in any order)."""
     i_b = tl.program_id(0)
     o_i = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m_i = o_i < B
     m_pend = tl.load(p_pend + o_i, mask=m_i, other=0) != 0
-    b_t = tl.load(p_target + o_i, mask=m_i, other=H)
-    m_prop = m_pend & (b_t < H)
-    b_id = tl.load(p_ids + o_i, mask=m_prop, other=-1)
-    tl.atomic_max(p_keys + b_t, b_id, mask=m_prop, sem="relaxed")
+    b_t = tl.load(p_target + o_i, mask=m_i, other=-1)
+    m_prop = m_pend & (b_t >= 0)
+    b_entry = tl.load(p_entry + o_i, mask=m_prop, other=-1)
+    tl.atomic_max(p_keys + b_t, b_entry, mask=m_prop, sem="relaxed")
 
 
 def _block(n: int, device) -> int:
@@ -301,7 +303,7 @@ def _n_tensor(n, device) -> torch.Tensor:
     return torch.full((1,), int(n), dtype=torch.int64, device=device)
 
 
-def index_find_triton(keys, vals, query, n_query):
+def index_find_triton(keys, query, n_query):
     """(position, slot) of each of the first n_query ids of `query`; -1 for a miss."""
     B = query.numel()
     pos = torch.empty(B, dtype=torch.int64, device=query.device)
@@ -310,44 +312,41 @@ def index_find_triton(keys, vals, query, n_query):
         return pos, slot
     BLOCK = _block(B, query.device)
     index_find_kernel[(triton.cdiv(B, BLOCK),)](
-        keys, vals, query.contiguous(), _n_tensor(n_query, query.device), pos, slot, B, keys.numel() - 2,
+        keys, query.contiguous(), _n_tensor(n_query, query.device), pos, slot, B, keys.numel() - 1,
         MAX_P=MAX_PROBE, BLOCK=BLOCK)
     return pos, slot
 
 
-def index_lookup_triton(keys, vals, query, n_query, early_exit: bool = False):
-    return index_find_triton(keys, vals, query, n_query)[1]
+def index_lookup_triton(keys, query, n_query, early_exit: bool = False):
+    return index_find_triton(keys, query, n_query)[1]
 
 
-def index_delete_triton(keys, vals, ids, n, early_exit: bool = False) -> None:
-    pos, _ = index_find_triton(keys, vals, ids, n)
-    dump = keys.numel() - 1
-    keys.index_put_((torch.where(pos >= 0, pos, dump),),
-                    torch.where(pos >= 0, torch.full_like(pos, TOMB), torch.full_like(pos, EMPTY)))
+def index_delete_triton(keys, ids, n, early_exit: bool = False) -> None:
+    _tombstone(keys, index_find_triton(keys, ids, n)[0])
 
 
-def index_insert_triton(keys, vals, ids, slots, n, early_exit: bool = False) -> torch.Tensor:
+def index_insert_triton(keys, ids, slots, n, early_exit: bool = False) -> torch.Tensor:
     """Same table and ok mask as `index_insert_torch`: scan/claim rounds as kernels (two launches a round)."""
     B = ids.numel()
     dev = ids.device
     ok = torch.zeros(B, dtype=torch.int8, device=dev)
     if B == 0:
         return ok.bool()
-    size = keys.numel() - 1
-    ids = ids.contiguous()
-    slots = slots.to(torch.int64).contiguous()
+    size = keys.numel()
+    entry = pack(ids.clamp(min=0), slots.clamp(min=0)).contiguous()
+    home = _home(ids, size).contiguous()
     pend = (_live_mask(B, n, dev) & (ids >= 0)).to(torch.int8)
     dist = torch.zeros(B, dtype=torch.int64, device=dev)
     target = torch.empty(B, dtype=torch.int64, device=dev)
     tdist = torch.empty(B, dtype=torch.int64, device=dev)
     BLOCK = _block(B, dev)
     grid = (triton.cdiv(B, BLOCK),)
-    args = (keys, vals, ids, slots, pend, dist, target, tdist, ok, B, size)
+    args = (keys, entry, home, pend, dist, target, tdist, ok, B, size)
     index_insert_round_kernel[grid](*args, RESOLVE=False, MAX_P=MAX_PROBE, W=PROBE_WINDOW, BLOCK=BLOCK)
-    for i_round in range(INSERT_ROUNDS):
+    for _ in range(INSERT_ROUNDS):
         if early_exit and not bool(pend.any()):
             break
-        index_claim_kernel[grid](keys, ids, pend, target, B, size, BLOCK=BLOCK)
+        index_claim_kernel[grid](keys, entry, pend, target, B, BLOCK=BLOCK)
         index_insert_round_kernel[grid](*args, RESOLVE=True, MAX_P=MAX_PROBE, W=PROBE_WINDOW, BLOCK=BLOCK)
     return ok.bool()
 
@@ -355,22 +354,22 @@ def index_insert_triton(keys, vals, ids, slots, n, early_exit: bool = False) -> 
 # ---------------------------------------------------------------- dispatch
 
 
-def index_lookup(keys, vals, query, n_query, early_exit: bool = False):
+def index_lookup(keys, query, n_query, early_exit: bool = False):
     if backend_for(query.device) == "triton":
         with on_device(query):
-            return index_lookup_triton(keys, vals, query, n_query, early_exit)
-    return index_lookup_torch(keys, vals, query, n_query, early_exit)
+            return index_lookup_triton(keys, query, n_query, early_exit)
+    return index_lookup_torch(keys, query, n_query, early_exit)
 
 
-def index_delete(keys, vals, ids, n, early_exit: bool = False) -> None:
+def index_delete(keys, ids, n, early_exit: bool = False) -> None:
     if backend_for(ids.device) == "triton":
         with on_device(ids):
-            return index_delete_triton(keys, vals, ids, n, early_exit)
-    return index_delete_torch(keys, vals, ids, n, early_exit)
+            return index_delete_triton(keys, ids, n, early_exit)
+    return index_delete_torch(keys, ids, n, early_exit)
 
 
-def index_insert(keys, vals, ids, slots, n, early_exit: bool = False) -> torch.Tensor:
+def index_insert(keys, ids, slots, n, early_exit: bool = False) -> torch.Tensor:
     if backend_for(ids.device) == "triton":
         with on_device(ids):
-            return index_insert_triton(keys, vals, ids, slots, n, early_exit)
-    return index_insert_torch(keys, vals, ids, slots, n, early_exit)
+            return index_insert_triton(keys, ids, slots, n, early_exit)
+    return index_insert_torch(keys, ids, slots, n, early_exit)
