@@ -82,9 +82,11 @@ def index_find_torch(keys: torch.Tensor, query: torch.Tensor, n_query, early_exi
     slot = torch.full_like(query, -1)
     active = _live_mask(query.numel(), n_query, query.device) & (query >= 0)
     home = _home(query, size)
-    offs = torch.arange(PROBE_WINDOW, device=query.device)
     idx = torch.arange(query.numel(), device=query.device)
-    for start in range(0, MAX_PROBE, PROBE_WINDOW):
+    # A short first window: at load <= 1/2 most probes end within a couple of positions.
+    for start, width in [(0, 2), (2, PROBE_WINDOW - 2)] + [(s, PROBE_WINDOW) for s in range(PROBE_WINDOW, MAX_PROBE,
+                                                                                                PROBE_WINDOW)]:
+        offs = torch.arange(width, device=query.device)
         if early_exit:
             idx = active.nonzero().squeeze(1)
             if idx.numel() == 0:
@@ -172,18 +174,21 @@ def index_build(keys, ids, slots) -> torch.Tensor:
     n = ids.numel()
     live = ids >= 0
     home = torch.where(live, _home(ids, size), torch.full_like(ids, 2 * size))
-    order = torch.argsort(ids, stable=True)
-    order = order[torch.argsort(home[order], stable=True)]
+    # One sort by (home, id): home < 2^30 and id < 2^33 pack into one int64 (dead ids last).
+    order = torch.argsort((home << 33) | ids.clamp(min=0))
     h = home[order]
     i = torch.arange(n, device=dev)
     pos = i + torch.cummax(h - i, 0).values
     wrapped = (pos >= size) & live[order]
-    # The run that wrapped goes first, from position 0, in the same order.
-    h2 = torch.where(wrapped, torch.full_like(h, -1), h)
-    order2 = torch.argsort(h2, stable=True)
-    order = order[order2]
+    # The run that wrapped (a suffix of the live ids) goes first, from position 0, in the same order: a rotation
+    # by device-side counts, no second sort.
+    n_wrap = wrapped.sum()
+    n_rest = live.sum() - n_wrap
+    src = torch.where(i < n_wrap, i + n_rest, torch.where(i < n_wrap + n_rest, i - n_wrap, i))
+    order = order[src]
     h = home[order]
-    pos = i + torch.cummax(h2[order2].clamp(min=0) - i, 0).values
+    h2 = torch.where(i < n_wrap, torch.zeros_like(h), h)
+    pos = i + torch.cummax(h2 - i, 0).values
     dist = (pos - h) & (size - 1)
     placed = live[order] & (pos < size)
     ok_s = placed & (dist < MAX_PROBE)
