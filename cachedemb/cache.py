@@ -490,6 +490,23 @@ class EmbeddingCache:
         src = torch.where(live, plan.uniq, torch.full_like(plan.uniq, -1))
         kernels.row_copy(self.host_weight, src, self.rows, plan.loc_u, plan.n_uniq)
 
+    def slots_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Cache slot of each id (-1 if not resident), by the id index: O(len(ids)), no host sync."""
+        ids = ids.to(device=self.device, dtype=torch.int64)
+        n = torch.full((1,), ids.numel(), dtype=torch.int64, device=self.device)
+        return kernels.index_lookup(self.index_keys, ids, n, self._early_exit())
+
+    def reread_rows(self, ids: torch.Tensor) -> None:
+        """After the host rows `ids` (weight, optimizer state, count) were rewritten by their owner: overwrite
+        the resident copies from the host and clear their dirty bits, so no stale copy is read or written back."""
+        ids = ids.to(device=self.device, dtype=torch.int64)
+        if ids.numel() == 0:
+            return
+        slots = self.slots_of(ids)
+        resident = slots >= 0
+        self._fill(torch.where(resident, ids, -1), slots, ids.numel())
+        self.dirty.index_fill_(0, torch.where(resident, slots, self.dump), False)
+
     def replace_host_table(self, host_weight: torch.Tensor) -> None:
         """Adopt a new host table (same shape; its dtype becomes the cache's, optimizer state following the
         accumulation dtype), re-reading every resident row from it. Dirty rows must be flushed first."""

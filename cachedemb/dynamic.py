@@ -17,7 +17,7 @@ every forward with unadmitted="zero", trained with "shared"); row `capacity + 1`
 A new row's value is `initial_rows(seed, id)`: a counter-based normal draw (splitmix64 + Box-Muller), so it
 depends on (seed, id) only, never on arrival order, batch composition or rank. Admitting an id writes that value
 and the optimizer's initial state into the host row and overwrites the row's cache slot if it is resident, so an
-evicted id that returns is bit-equal to a never-seen one (`_overwrite_rows`).
+evicted id that returns is bit-equal to a never-seen one (`EmbeddingCache.reread_rows`).
 
 Eval forwards (`module.eval()` or no grad) are read-only: no counting, no admission, no sweep.
 The reference path (a Python dict remap) is `cachedemb.dynamic_naive`.
@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cachedemb import kernels
 from cachedemb.cache import EmbeddingCache, state_dtype
 from cachedemb.optim import SparseOptimizer
 
@@ -243,28 +242,6 @@ class IdIndex:
 _STAT_NAMES = ("ids_seen", "admitted", "rejected", "evicted", "expired", "unadmitted_lookups")
 
 
-def _resident_slots(cache: EmbeddingCache, rows: torch.Tensor) -> torch.Tensor:
-    """Cache slot of each host row, -1 if not resident: a lookup in the cache's own id -> slot index (the
-    sorted index's `slot_lookup`, or the hash index's `index_lookup`: same arguments). O(len(rows)).
-    Wanted from cache.py: a public `EmbeddingCache.slots_of(ids)` so this does not read the index layout."""
-    n = torch.full((1,), rows.numel(), dtype=torch.int64, device=cache.device)
-    lookup = getattr(kernels, "index_lookup", None) or kernels.slot_lookup
-    return lookup(cache.index_keys, cache.index_slots, rows, n)
-
-
-def _overwrite_rows(cache: EmbeddingCache, rows: torch.Tensor) -> None:
-    """After the host rows `rows` (weight, optimizer state, count) were rewritten: overwrite the cache slots
-    that hold them (with the cache's `_fill`), so no stale copy is read or written back."""
-    rows = rows.to(device=cache.device, dtype=torch.int64)
-    n = rows.numel()
-    if n == 0:
-        return
-    slots = _resident_slots(cache, rows)
-    resident = slots >= 0
-    cache._fill(torch.where(resident, rows, -1), slots, n)
-    cache.dirty.index_fill_(0, torch.where(resident, slots, cache.dump), False)
-
-
 class DynamicEmbeddingBag(nn.Module):
     """nn.EmbeddingBag over raw int64 ids: an exact host index (id -> slab row) in front of a
     CachedEmbeddingBag over a slab of `dynamic.capacity` rows. Built by
@@ -339,7 +316,7 @@ class DynamicEmbeddingBag(nn.Module):
         for name, state in cache.host_states.items():
             state[rows] = self._state_init[name]
         cache.host_freq[rows] = 0
-        _overwrite_rows(cache, rows)
+        cache.reread_rows(rows)
 
     def _zero_unadmitted(self) -> None:
         if self.config.unadmitted == "zero" and self._reset_unadmitted:
