@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite on CPU; Triton kernels run under the interpreter.
+# Set up (if needed) and run the test suite on CPU; Triton kernels run under the interpreter.
+# Tests marked slow (soak, long multi-process jobs) run only with --slow.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup_env.sh"

@@ -44,3 +44,18 @@ def sizing_mode(request, monkeypatch):
     else:
         monkeypatch.delenv("CACHEDEMB_SYNC_FREE", raising=False)
     return request.param
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="also run tests marked slow (soak, long spawned jobs); `scripts/test.sh --slow`")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `slow` run only with --slow: CI runs the fast suite, a release check runs everything."""
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with scripts/test.sh --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
