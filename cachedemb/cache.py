@@ -459,6 +459,14 @@ class EmbeddingCache:
         live = (torch.arange(plan.loc_u.numel(), device=self.device) < plan.n_uniq) & (plan.loc_u >= 0)
         self.dirty.index_fill_(0, torch.where(live, plan.loc_u, torch.full_like(plan.loc_u, self.dump)), True)
 
+    def write_through(self, plan: BatchPlan) -> None:
+        """Write the plan's resident rows (and state) back to the host now and mark them clean: O(batch). For an
+        owner whose host table may be written by someone else before the next forward."""
+        live = (torch.arange(plan.loc_u.numel(), device=self.device) < plan.n_uniq) & (plan.loc_u >= 0)
+        slots = torch.where(live, plan.loc_u, torch.full_like(plan.loc_u, self.dump))
+        self.bump_stats(rows_out=self._write_back(slots, plan.n_uniq))
+        self.dirty.index_fill_(0, slots, False)
+
     # ----------------------------------------------------------------- whole-cache operations
     def flush(self) -> None:
         """Write every dirty row (and its state) back to the host; the cache keeps its contents."""

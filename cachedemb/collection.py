@@ -6,6 +6,9 @@ cached lookup per group, not per table. Each group's forward is a single call: t
 their table's row offset) concatenated lookup-major, one bag per (lookup, sample). A lookup is a (table,
 feature) pair: a feature several tables look up is one lookup per table (output keys `feature@table`).
 
+A table with `dynamic=DynamicIds(...)` (raw int64 ids, cachedemb.dynamic) is a group of its own, a
+DynamicEmbeddingBag over its slab: its lookups' raw ids go in unshifted and the remap finds their rows.
+
 fx tracing, export, torch.compile and TorchScript: see `cachedemb.collection_capture`.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ from cachedemb import collection_capture as capture
 from cachedemb.cache import pinned_empty
 from cachedemb.collection_capture import NotScriptableError, fx_lookup, fx_lookup_live
 from cachedemb.collection_inputs import CollectionInputs, is_torchrec, torchrec_type
+from cachedemb.dynamic import DynamicEmbeddingBag, DynamicIds
 from cachedemb.embedding_bag import CachedEmbeddingBag
 from cachedemb.optim import SparseOptimizer
 from cachedemb.policy import Policy
@@ -38,6 +42,17 @@ _META = torch.device("meta")
 
 class _GroupBag(CachedEmbeddingBag):
     """A group's CachedEmbeddingBag; its state is saved and loaded per table by the collection's table views."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        return None
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        return None
+
+
+class _DynamicGroupBag(DynamicEmbeddingBag):
+    """A dynamic table's DynamicEmbeddingBag; its state is saved and loaded by the table's view."""
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         return None
@@ -84,6 +99,7 @@ class _Group:
     row_offsets: tuple[int, ...]  # first group row of each table
     rows: int
     lookups: tuple[int, ...]  # indices into the collection's lookups, in output order
+    dynamic: DynamicIds | None = None  # a raw-id table, alone in its group
 
 
 @dataclass(frozen=True)
@@ -129,7 +145,9 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
 
     Ids must be in [0, num_embeddings) of their table, unless `hash_ids=True`, which maps every id to
     `id % num_embeddings` (torch ops on the ids' device). `id_freq` (per-table access counts, a list aligned
-    with `tables` or a dict by table name) seeds the cache's frequency policy and warm-up.
+    with `tables` or a dict by table name) seeds the cache's frequency policy and warm-up. `dynamic`
+    ({table name: DynamicIds}, or `TableConfig(dynamic=...)`) makes those tables take raw int64 ids (any value;
+    see cachedemb.dynamic); their state_dict entries are keyed by id (`embedding_bags.<table>.ids`, `.weight`, ...).
 
     Example::
 
@@ -144,10 +162,10 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
     def __init__(self, tables: Sequence, is_weighted: bool = False, device=None, *, cache_ratio: float = 0.01,
                  cache_rows: int | None = None, optimizer: SparseOptimizer | None = None, id_freq=None,
                  warmup_ratio: float = 0.7, policy: str | Policy = "lfu", hash_ids: bool = False,
-                 validate_inputs: bool = True):
+                 validate_inputs: bool = True, dynamic: Mapping[str, DynamicIds] | None = None):
         super().__init__()
         self._configs = list(tables)
-        self.tables: list[TableConfig] = self._check_tables(self._configs)
+        self.tables: list[TableConfig] = self._check_tables(self._configs, dynamic)
         self.hash_ids, self.is_weighted_, self.validate_inputs = bool(hash_ids), bool(is_weighted), validate_inputs
         self._bag_kwargs = dict(cache_ratio=cache_ratio, cache_rows=cache_rows, optimizer=optimizer,
                                 warmup_ratio=warmup_ratio, policy=policy)
@@ -172,8 +190,13 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
 
     # ----------------------------------------------------------------- construction helpers
     @staticmethod
-    def _check_tables(configs) -> list[TableConfig]:
-        tables = [TableConfig.from_config(c) for c in configs]
+    def _check_tables(configs, dynamic) -> list[TableConfig]:
+        dynamic = dict(dynamic or {})
+        names = [getattr(c, "name", None) for c in configs]
+        unknown = sorted(set(dynamic) - set(names))
+        if unknown:
+            raise ValueError(f"dynamic= names unknown tables {unknown}; tables are {names}")
+        tables = [TableConfig.from_config(c, dynamic.get(getattr(c, "name", None))) for c in configs]
         seen = set()
         for t in tables:
             if t.name in seen:
@@ -196,6 +219,12 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
                 raise ValueError(f"id_freq must have one entry per table ({len(self.tables)}), got {len(items)}")
         out = []
         for t, freq in zip(self.tables, items):
+            if t.dynamic is not None:
+                if freq is not None:
+                    raise ValueError(f"id_freq of table {t.name!r}: a dynamic-id table counts its ids itself "
+                                     "(DynamicIds.min_count); pass None for it")
+                out.append(None)
+                continue
             if freq is None:
                 out.append(torch.zeros(t.num_embeddings, dtype=torch.int64, device="cpu"))
                 continue
@@ -209,11 +238,12 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
     def _plan_groups(self) -> None:
         members: dict[tuple, list[int]] = {}
         for i, t in enumerate(self.tables):
-            members.setdefault((t.embedding_dim, t.pooling, t.dtype), []).append(i)
+            key = (t.embedding_dim, t.pooling, t.dtype) + ((i,) if t.dynamic is not None else ())
+            members.setdefault(key, []).append(i)
         self._groups: list[_Group] = []
         self._table_group: dict[int, tuple[int, int]] = {}  # table -> (group, row offset)
         self._lookup_slot: list[tuple[int, int]] = [(0, 0)] * len(self._lookups)  # lookup -> (group, position)
-        for g, ((dim, pooling, dtype), tables) in enumerate(members.items()):
+        for g, ((dim, pooling, dtype, *_), tables) in enumerate(members.items()):
             offsets = [0]
             for i in tables:
                 self._table_group[i] = (g, offsets[-1])
@@ -222,7 +252,7 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
             for j, k in enumerate(lookups):
                 self._lookup_slot[k] = (g, j)
             self._groups.append(_Group(dim, pooling, dtype, tuple(tables), tuple(offsets[:-1]), offsets[-1],
-                                       lookups))
+                                       lookups, self.tables[tables[0]].dynamic))
 
     @staticmethod
     def _resolve_device(device) -> torch.device:
@@ -238,19 +268,27 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
     def _materialize(self, device: torch.device, initialize: bool) -> None:
         """Allocate the host tables and caches on `device`: initialized as torchrec, or zeroed (to_empty)."""
         with torch.device("cpu"):  # host tables and module scalars, whatever default device the caller set
-            hosts = [pinned_empty((g.rows, g.dim), g.dtype) for g in self._groups]
+            # Dynamic tables have no host table here: their slab rows are created per id on admission.
+            hosts = [pinned_empty((g.rows, g.dim), g.dtype) if g.dynamic is None else None for g in self._groups]
+            fixed = [i for i, t in enumerate(self.tables) if t.dynamic is None]
             if initialize:
-                for i, t in enumerate(self.tables):  # nn.EmbeddingBag's own init, as torchrec's EBC draws it
+                for i in fixed:  # nn.EmbeddingBag's own init, as torchrec's EBC draws it
                     g, lo = self._table_group[i]
-                    hosts[g][lo:lo + t.num_embeddings].normal_()
-                for i, t in enumerate(self.tables):
+                    hosts[g][lo:lo + self.tables[i].num_embeddings].normal_()
+                for i in fixed:
                     g, lo = self._table_group[i]
-                    t.initialize(hosts[g][lo:lo + t.num_embeddings])
+                    self.tables[i].initialize(hosts[g][lo:lo + self.tables[i].num_embeddings])
             else:
                 for host in hosts:
-                    host.zero_()
+                    if host is not None:
+                        host.zero_()
             bags = nn.ModuleList()
             for group, host in zip(self._groups, hosts):
+                if group.dynamic is not None:
+                    bags.append(_DynamicGroupBag(None, group.dim, mode=group.pooling, include_last_offset=True,
+                                                    dtype=group.dtype, device=device, dynamic=group.dynamic,
+                                                    validate_inputs=False, **self._bag_kwargs))
+                    continue
                 freq = torch.cat([self._freqs[i] for i in group.tables]) if self._freqs is not None else None
                 bag = _GroupBag(group.rows, group.dim, mode=group.pooling, include_last_offset=True, _weight=host,
                                 dtype=group.dtype, device=device, id_freq=freq, validate_inputs=False,
@@ -304,7 +342,8 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         if not self.bags:
             return
         for i, t in enumerate(self.tables):
-            t.initialize(self._table_rows(i))
+            if t.dynamic is None:  # a dynamic table's rows are initial_rows(seed, id), made on admission
+                t.initialize(self._table_rows(i))
 
     def __prepare_scriptable__(self):
         raise NotScriptableError("torch.jit.script " + capture.SCRIPT_MESSAGE)
@@ -316,6 +355,11 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
         from torchrec.types import DataType
 
+        dynamic = [t.name for t in self.tables if t.dynamic is not None]
+        if dynamic:
+            raise ValueError(f"tables {dynamic} have dynamic (raw int64) ids, which a torchrec "
+                             "EmbeddingBagCollection cannot look up: use collection.bags[...].export_keyed() "
+                             "for those tables")
         names = {dtype: name for name, dtype in DTYPES.items()}
         configs = [EmbeddingBagConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
                                       feature_names=list(t.feature_names), pooling=PoolingType[t.pooling.upper()],
@@ -433,7 +477,10 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         if not self.bags:
             return []
         _, inputs = self._group_inputs(features, jagged)
-        return [(bag.cache, ids) for bag, (ids, _, _) in zip(self.bags, inputs)]
+        targets = []
+        for bag, (ids, _, _) in zip(self.bags, inputs):
+            targets.extend(bag.prefetch_targets(ids) if isinstance(bag, DynamicEmbeddingBag) else [(bag.cache, ids)])
+        return targets
 
     # ----------------------------------------------------------------- cache and tables
     def cache_stats(self) -> dict:
@@ -467,6 +514,10 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         """Table i's rows as a view of its group's `weight` (fetched now: cached updates written back, and the
         next forward re-reads the cache), or a meta tensor before materialization."""
         t = self.tables[i]
+        if t.dynamic is not None:
+            raise ValueError(f"table {t.name!r} has dynamic (raw int64) ids: it has no dense weight; read it with "
+                             f"state_dict() (keyed by id) or collection.bags[{self._table_group[i][0]}]"
+                             ".export_keyed()")
         if not self.bags:
             return torch.empty(t.num_embeddings, t.embedding_dim, dtype=t.dtype, device=_META)
         g, lo = self._table_group[i]
@@ -481,7 +532,13 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
     # ----------------------------------------------------------------- state dict (torchrec EBC keys)
     def _save_table(self, i: int, destination, prefix: str) -> None:
         """`{prefix}weight` (as torchrec's EBC) and, with a fused optimizer, `{prefix}optimizer.{state}` and
-        `{prefix}optimizer.step`. Values are views of host tables."""
+        `{prefix}optimizer.step`. Values are views of host tables. A dynamic table saves its module's keys (ids,
+        weight, optimizer state, counts: DynamicEmbeddingBag)."""
+        if self.tables[i].dynamic is not None:
+            if self.bags:
+                DynamicEmbeddingBag._save_to_state_dict(self.bags[self._table_group[i][0]], destination, prefix,
+                                                        False)
+            return
         if not self.bags:
             destination[prefix + "weight"] = self._table_rows(i)
             return
@@ -495,6 +552,11 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
 
     def _load_table(self, i: int, state_dict, prefix: str, missing_keys, unexpected_keys, error_msgs) -> None:
         t = self.tables[i]
+        if t.dynamic is not None:
+            if self.bags:
+                DynamicEmbeddingBag._load_from_state_dict(self.bags[self._table_group[i][0]], state_dict, prefix,
+                                                          {}, True, missing_keys, unexpected_keys, error_msgs)
+            return
         known = {prefix + "weight"}
         writes = []  # (key, value, host tensor whose rows [lo, lo + num_embeddings) it fills)
         if prefix + "weight" not in state_dict:

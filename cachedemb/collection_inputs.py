@@ -125,6 +125,8 @@ class CollectionInputs:
         """Ids of one lookup, hashed or range-checked, as rows of its table."""
         table = self.tables[self._lookups[lookup].table]
         ids = ids.to(torch.int64)
+        if table.dynamic is not None:  # raw ids: every int64 is valid, the table's remap finds the rows
+            return ids
         if self.hash_ids:
             return torch.remainder(ids, table.num_embeddings)
         if self._check_values(ids) and ids.numel() > 0:
@@ -184,7 +186,9 @@ class CollectionInputs:
         for g, group in enumerate(self._groups):
             columns, row_offsets, sizes = self._dense_index_for(g, ids.device)
             cols = ids[:, columns] if columns != list(range(ids.shape[1])) else ids
-            if self.hash_ids:
+            if group.dynamic is not None:
+                pass  # raw ids (row offset 0): the group's DynamicEmbeddingBag remaps them
+            elif self.hash_ids:
                 cols = torch.remainder(cols, sizes)
             elif self._check_values(cols) and cols.numel() > 0:
                 bad = (cols < 0) | (cols >= sizes)

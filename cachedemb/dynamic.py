@@ -483,6 +483,9 @@ class DynamicEmbeddingBag(nn.Module):
     def cache_stats(self) -> dict:
         return self.inner.cache_stats()
 
+    def reset_cache_stats(self) -> None:
+        self.inner.reset_cache_stats()
+
     def flush(self) -> None:
         self.inner.flush()
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 
 import torch
 from torch import nn
@@ -19,7 +21,15 @@ from cachedemb.optim import SparseOptimizer
 from cachedemb.policy import Policy
 
 _STEP_KEY = "optimizer.step"
+# Tensors over the table's memory that the module itself holds: the Parameter, the cache's `.data` alias, and
+# the storage object that `_storage_users` makes to ask.
+_OWN_STORAGE_USERS = 3
 _TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _storage_users(table: torch.Tensor) -> int:
+    """How many tensors (and storage objects) share the table's memory."""
+    return torch._C._storage_Use_Count(table.untyped_storage()._cdata)
 
 
 def _refuse_unsharded_world() -> None:
@@ -87,6 +97,8 @@ class _PooledLookup(torch.autograd.Function):
                                     plan.inverse, bags.offsets, bags.mode, psw_values, ctx.max_pos, rule,
                                     cache.host_weight, [cache.host_states[k] for k in names], **extra)
             cache.mark_dirty(plan)
+            if owner._watched:
+                cache.write_through(plan)
         elif ctx.needs_input_grad[3]:
             grad_weight = owner._weight_grad(plan, bags, grad_out, psw_values, ctx.max_pos, grad_scale)
         return None, None, None, grad_weight, grad_psw, None
@@ -265,14 +277,15 @@ class CachedEmbeddingBag(nn.Module):
                                    num_embeddings=self.num_embeddings, device=cache.device,
                                    validate=self.validate_inputs, padding_idx=self.padding_idx,
                                    table_dtype=cache.dtype)
+        watched = self._table_shared()
         table = self._table
         train = torch.is_grad_enabled()
         weight_grad = train and self.optimizer is None and table.requires_grad
-        self._see_table_writes(refresh_later=weight_grad)
+        self._see_table_writes(refresh_later=weight_grad, watched=watched)
         if bags.invalid_ids is not None:
             cache.bump_stats(invalid_ids=bags.invalid_ids, invalid_offsets=bags.invalid_offsets)
         plan = cache.prepare(bags.ids, bags.pad_id, train=train and self.training)
-        if weight_grad:
+        if weight_grad or watched:
             cache.refresh(plan)
         if self.max_norm is not None:
             self._renorm(plan)
@@ -285,12 +298,43 @@ class CachedEmbeddingBag(nn.Module):
             out = out * factor.to(out.dtype)
         return out
 
-    def _see_table_writes(self, refresh_later: bool) -> None:
+    def _table_shared(self) -> bool:
+        """Whether anyone outside the module holds the table: the Parameter object (`w = m.weight`) or a tensor
+        over its memory (`m.weight.data`, a state_dict entry, the tensor given to from_pretrained). Writes
+        through `.data` move no version counter, so while such a holder lives every forward re-reads its rows
+        from the host and (fused) every step writes its rows straight back (`_watched`): O(batch), no write can
+        be lost. Counted from reference counts: a host-side check, no device sync."""
+        own_refs = 3 if self.optimizer is None else 2  # __dict__ (+ _parameters) + getrefcount's argument
+        table = self.__dict__["_table"]
+        shared = sys.getrefcount(table) > own_refs + 1 or _storage_users(table) > _OWN_STORAGE_USERS
+        if shared and not self._watched:
+            self._watched = True
+            if self.optimizer is not None and not self._warned_shared:
+                self._warned_shared = True
+                warnings.warn(
+                    "CachedEmbeddingBag: the table is held outside the module (a `weight` reference, a tensor over "
+                    "its memory such as `weight.data`, a state_dict entry, or the tensor given to from_pretrained "
+                    "/ _weight): while it lives, every fused step writes its rows through to the host table and "
+                    "every forward re-reads them, so that writes through it are never lost. Drop the reference "
+                    "(or pass a copy) for full speed.", stacklevel=5)
+        return shared
+
+    def _see_table_writes(self, refresh_later: bool, watched: bool = False) -> None:
         """Make the cache agree with the host table before a forward, if the table may have been written since
         it was last read: after `weight` was handed out, or when the Parameter's version moved (an in-place
         write or a torch optimizer step). A forward that records a gradient re-reads its own rows anyway
-        (`refresh_later`), which is O(batch), so only other forwards re-read every cached row."""
+        (`refresh_later`), which is O(batch), so only other forwards re-read every cached row. While the
+        table is held outside (`watched`) the forward re-reads its rows and the cache is clean between steps;
+        when the last outside holder is gone, the cache is re-read once (rows written meanwhile)."""
         table = self._table
+        if watched:
+            self._handed_out, self._seen_version = False, table._version
+            return
+        if self._watched:  # the outside holders are gone: rows not read since may be stale, none is dirty
+            self._watched = False
+            self.cache.reload()
+            self._handed_out, self._seen_version = False, table._version
+            return
         stale = self._handed_out or table._version != self._seen_version
         if not stale or refresh_later:
             return
@@ -322,7 +366,8 @@ class CachedEmbeddingBag(nn.Module):
         loc, n = plan.loc_u, plan.n_uniq
         positions = torch.arange(loc.numel(), device=cache.device)
         live = positions < n
-        if self.optimizer is None:
+        host_truth = self.optimizer is None or self._watched
+        if host_truth:
             sources = [(cache.host_weight, torch.where(live, plan.uniq, -1))]
         else:
             sources = [(cache.rows, torch.where(live & (loc >= 0), loc, -1)),
@@ -335,7 +380,7 @@ class CachedEmbeddingBag(nn.Module):
         rows *= torch.where(norm > self.max_norm, scale, 1.0).to(cache.dtype).unsqueeze(1)
         for table, index in sources:
             kernels.row_copy(rows, torch.where(index >= 0, positions, -1), table, index, n)
-        if self.optimizer is None:
+        if host_truth:
             cache.refresh(plan)
         else:
             cache.mark_dirty(plan)
@@ -377,6 +422,8 @@ class CachedEmbeddingBag(nn.Module):
         optimizer trains it), held aside with a fused optimizer (which trains it in the cache)."""
         object.__setattr__(self, "_table", table)
         self._handed_out, self._seen_version = False, table._version
+        self._watched = getattr(self, "_watched", False)
+        self._warned_shared = getattr(self, "_warned_shared", False)
         if self.optimizer is None:
             self._parameters["weight"] = table
         else:

@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 import cachedemb
-from cachedemb.errors import StaleTableWriteError
 
 pytestmark = [pytest.mark.usefixtures("sizing_mode")]
 
@@ -34,13 +33,17 @@ def batch(seed, num=12, lookups=10):
 
 
 # ----------------------------------------------------------------- weight
-@pytest.mark.parametrize("write", ["setitem", "init", "data_copy", "held_data"])
+@pytest.mark.parametrize("write", ["setitem", "init", "data_copy", "held_data", "held_data_eval"])
 def test_weight_writes_are_seen_and_kept(backend, write):
     ref, ours = pair(mode="sum")
     ids, offsets = batch(1)
     ours(ids, offsets).sum().backward()  # rows of the batch are cached now
     held = ours.weight
-    ours(ids, offsets)
+    if write == "held_data_eval":
+        with torch.no_grad():
+            ours.eval()(ids, offsets)  # an eval forward reads cached rows: the write below must reach them
+    else:
+        ours(ids, offsets)
     row = int(ids[0])
     value = torch.arange(4.0)
     with torch.no_grad():
@@ -52,6 +55,8 @@ def test_weight_writes_are_seen_and_kept(backend, write):
             ours.weight.data.copy_(torch.full((12, 4), 2.0))
         else:
             held.data[row] = value  # through .data of a reference taken before the last forward
+    if write == "held_data_eval":
+        ours.train()
     expected = ours.cache.host_weight.clone()
     ref.weight.data.copy_(expected)
     torch.testing.assert_close(ours(ids, offsets), ref(ids, offsets), rtol=0, atol=0)
@@ -79,20 +84,64 @@ def test_weight_write_reaches_rows_updated_by_the_fused_optimizer(backend):
     torch.testing.assert_close(out, ref(ids, offsets), rtol=0, atol=0)
 
 
-def test_write_through_stale_reference_with_pending_fused_updates_refuses(backend):
-    ours = cachedemb.CachedEmbeddingBag(12, 4, mode="sum", cache_rows=12, device="cpu",
+@pytest.mark.parametrize("holder", ["weight_data", "weight_setitem", "state_dict_data", "pretrained_tensor"])
+def test_writes_through_a_held_table_across_fused_steps_are_kept(backend, holder):
+    """A reference to the table kept across fused steps (writes through `.data` move no version counter):
+    every write through it is seen by the next forward and kept, the optimizer's updates too, as with
+    nn.EmbeddingBag + torch.optim.SGD. Once the reference is dropped the module leaves the write-through mode."""
+    torch.manual_seed(0)
+    table = torch.randn(12, 4)
+    ref = nn.EmbeddingBag.from_pretrained(table.clone(), freeze=False, mode="sum")
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    given = table.clone()
+    ours = cachedemb.CachedEmbeddingBag(12, 4, mode="sum", cache_rows=3, device="cpu", _weight=given,
                                         optimizer=cachedemb.optim.SGD(lr=0.5))
-    ids, offsets = batch(3)
-    held = ours.weight
-    ours(ids, offsets).sum().backward()  # updates cached rows (not written back)
-    with torch.no_grad():
-        held[0] = 1.0  # a version-counted write through the old reference
-    host = ours.cache.host_weight.clone()
-    with pytest.raises(StaleTableWriteError, match="m.weight"):
-        ours(ids, offsets)
-    assert torch.equal(ours.cache.host_weight, host)  # refused before any state changed
-    ours.flush()  # the user keeps the optimizer's rows; the cache is clean again
-    ours(ids, offsets)
+    if holder == "pretrained_tensor":
+        held = given  # nn.EmbeddingBag(_weight=t) shares t's memory on CPU: so does ours
+    elif holder == "state_dict_data":
+        held = ours.state_dict()["weight"].data
+    else:
+        held = ours.weight
+    del given
+    with pytest.warns(UserWarning, match="held outside the module"):
+        ours(*batch(9))
+    for step in range(4):
+        ids, offsets = batch(20 + step)
+        g = torch.randn(4, 4)
+        out = ours(ids, offsets)
+        torch.testing.assert_close(out, ref(ids, offsets), rtol=0, atol=0)
+        out.backward(g)
+        ref(ids, offsets).backward(g)
+        opt.step()
+        opt.zero_grad()
+        row, value = int(ids[step]), torch.full((4,), float(step))
+        with torch.no_grad():
+            if holder == "weight_setitem":
+                held[row] = value
+            else:
+                held.data[row] = value
+            ref.weight[row] = value
+    del held
+    ids, offsets = batch(30)
+    torch.testing.assert_close(ours(ids, offsets), ref(ids, offsets), rtol=0, atol=0)
+    assert not ours._watched
+    ours.flush()
+    torch.testing.assert_close(ours.cache.host_weight, ref.weight.detach(), rtol=0, atol=0)
+
+
+def test_a_table_nobody_holds_stays_on_the_fast_path(backend):
+    """Taking (and dropping) weight, state_dict or weight.data does not leave the module in write-through."""
+    ours = cachedemb.CachedEmbeddingBag(12, 4, mode="sum", cache_rows=3, device="cpu",
+                                        _weight=torch.randn(12, 4), optimizer=cachedemb.optim.Adagrad(lr=0.5))
+    for step in range(3):
+        ids, offsets = batch(50 + step)
+        ours(ids, offsets).sum().backward()
+        ours.state_dict()
+        ours.weight.data.sum()
+        with torch.no_grad():
+            ours.weight[0] = 1.0
+        assert not ours._table_shared()
+    assert not ours._watched and ours.cache.maybe_dirty
 
 
 def test_weight_assignment_replaces_the_table(backend):
