@@ -25,9 +25,10 @@ from torch import nn
 
 import cachedemb
 from cachedemb import optim
-from recipes.dlrm.configs import DATA_PRESET, RunPreset, get_preset
+from recipes.dlrm.configs import DATA_PRESET, INTERACTIONS, RunPreset, get_preset
 from recipes.dlrm.data import (PreprocessedSplit, load_id_freq, load_metadata, preprocess_avazu,
                                preprocess_criteo_1tb, preprocess_criteo_kaggle, write_criteo_tsv)
+from recipes.dlrm.lr_schedule import LRSchedule, set_learning_rates
 from recipes.dlrm.model import DLRM, DLRMConfig
 
 SPARSE_OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "rowwise_adagrad": optim.RowWiseAdagrad,
@@ -49,6 +50,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None, help="embedding learning rate")
     p.add_argument("--dense-optimizer", choices=["adagrad", "sgd"], default=None)
     p.add_argument("--dense-lr", type=float, default=None)
+    p.add_argument("--lr-warmup-steps", type=int, default=None, help="linear warm-up of both learning rates")
+    p.add_argument("--lr-decay-start", type=int, default=None, help="step where the quadratic decay starts")
+    p.add_argument("--lr-decay-steps", type=int, default=None, help="steps of quadratic decay (0 = none)")
+    p.add_argument("--interaction", choices=INTERACTIONS, default=None, help="dot (DLRM) or dcn (DCNv2)")
+    p.add_argument("--dcn-num-layers", type=int, default=None)
+    p.add_argument("--dcn-low-rank-dim", type=int, default=None)
     p.add_argument("--embedding-dim", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--epochs", type=int, default=None)
@@ -66,7 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     preset = get_preset(DATA_PRESET[args.data])
     for name in ("synthetic_rows", "cache_ratio", "optimizer", "lr", "dense_optimizer", "dense_lr",
-                 "embedding_dim", "batch_size", "epochs"):
+                 "embedding_dim", "batch_size", "epochs", "lr_warmup_steps", "lr_decay_start", "lr_decay_steps",
+                 "interaction", "dcn_num_layers", "dcn_low_rank_dim"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
     for name in ("batch_size", "epochs", "embedding_dim", "log_every"):
@@ -76,6 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise ValueError(f"--cache-ratio must be in (0, 1], got {args.cache_ratio}")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise ValueError("--checkpoint-every/--resume need --checkpoint-dir")
+    args.lr_schedule = LRSchedule(args.lr_warmup_steps, args.lr_decay_start, args.lr_decay_steps)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.preset = preset
     return args
@@ -142,7 +151,8 @@ def build(args, preset: RunPreset, meta: dict, data_dir: Path):
     config = DLRMConfig(num_dense=len(meta["dense_names"]), cat_names=tuple(meta["cat_names"]),
                         table_sizes=tuple(meta["table_sizes"]), embedding_dim=args.embedding_dim,
                         dense_arch_layer_sizes=preset.dense_arch_layer_sizes,
-                        over_arch_layer_sizes=preset.over_arch_layer_sizes)
+                        over_arch_layer_sizes=preset.over_arch_layer_sizes, interaction=args.interaction,
+                        dcn_num_layers=args.dcn_num_layers, dcn_low_rank_dim=args.dcn_low_rank_dim)
     id_freq = [torch.from_numpy(np.array(f, dtype=np.int64)) for f in load_id_freq(data_dir)]
     torch.manual_seed(args.seed)
     model = DLRM(config, cache_ratio=args.cache_ratio, optimizer=SPARSE_OPTIMIZERS[args.optimizer](lr=args.lr),
@@ -276,6 +286,8 @@ def train(model: DLRM, dense_opt, split: PreprocessedSplit, args, position: dict
         bar = tqdm(batches, total=per_epoch - start, desc=f"epoch {epoch}", disable=quiet, leave=False)
         t0 = time.perf_counter()
         for i, batch in enumerate(bar, start=start):
+            scale = args.lr_schedule.scale(step + 1)
+            set_learning_rates(model, dense_opt, args.dense_lr * scale, args.lr * scale)
             labels = batch.labels.to(device)
             logits = model(batch.dense.to(device), batch.sparse.to(device))
             loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
