@@ -10,21 +10,32 @@ Data flow of one forward (host side; the cache below keeps seeing dense rows)::
       -> row per lookup                      admitted row, else the unadmitted row (zero or shared), pad row
       -> CachedEmbeddingBag over the slab    [capacity + 1 (+1 pad)] rows, the device cache in front of it
 
-Rows of the slab: [0, capacity) hold admitted ids; row `capacity` is the unadmitted row (reset to zero before
-every forward with unadmitted="zero", trained with "shared"); row `capacity + 1` is the padding row when
-`padding_idx` (a raw id) is given.
+Rows of the slab: [0, R) with R = capacity + in_flight_rows hold admitted ids (at most `capacity` at once) and
+rows waiting to be reused; row R is the unadmitted row (reset to zero before every forward with
+unadmitted="zero", trained with "shared"); row R + 1 is the padding row when `padding_idx` (a raw id) is given.
+
+Under `cachedemb.prefetch` the remap runs in the prefetch stage: `prefetch_targets(batch)` remaps (counts,
+admits, evicts) the batch when it is read ahead and queues its rows; the batch's forward takes them from the
+queue (matched by value). Eviction decisions are the same as without prefetch (victims are chosen among rows
+the current batch does not use, by the same keys), so training is bit-equal; what differs is when a victim's
+row is reused: a row that a batch still in flight (remapped, forward/backward not done) reads is held back
+(`held_rows`) until that batch is done, so capacity and ttl eviction never touch rows in flight. Held rows
+come out of the `in_flight_rows` spare rows; when those run out, read-ahead remapping pauses and the forward
+remaps (and catches up) instead: the result is the same either way.
 
 A new row's value is `initial_rows(seed, id)`: a counter-based normal draw (splitmix64 + Box-Muller), so it
 depends on (seed, id) only, never on arrival order, batch composition or rank. Admitting an id writes that value
 and the optimizer's initial state into the host row and overwrites the row's cache slot if it is resident, so an
 evicted id that returns is bit-equal to a never-seen one (`EmbeddingCache.reread_rows`).
 
-Eval forwards (`module.eval()` or no grad) are read-only: no counting, no admission, no sweep.
+Eval forwards (`module.eval()` or no grad) are read-only: no counting, no admission, no sweep (inside a prefetch
+loop they see the admissions of the batches already read ahead).
 The reference path (a Python dict remap) is `cachedemb.dynamic_naive`.
 """
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -263,7 +274,7 @@ class DynamicEmbeddingBag(nn.Module):
                  sparse: bool = False, _weight: torch.Tensor | None = None, include_last_offset: bool = False,
                  padding_idx: int | None = None, device=None, dtype=None, *, dynamic: DynamicIds,
                  optimizer: SparseOptimizer | None = None, cache_ratio: float = 0.01, cache_rows: int | None = None,
-                 **cache_kwargs):
+                 in_flight_rows: int | None = None, **cache_kwargs):
         super().__init__()
         from cachedemb.embedding_bag import CachedEmbeddingBag
 
@@ -282,22 +293,34 @@ class DynamicEmbeddingBag(nn.Module):
         self.padding_idx = padding_idx
         self.optimizer = optimizer
         cap = dynamic.capacity
-        self.unadmitted_row = cap
-        self.pad_row = cap + 1 if padding_idx is not None else None
-        num_rows = cap + 1 + (padding_idx is not None)
+        if in_flight_rows is None:
+            in_flight_rows = cap // 8 + 8
+        if isinstance(in_flight_rows, bool) or not isinstance(in_flight_rows, int) or in_flight_rows < 0:
+            raise ValueError(f"in_flight_rows must be an int >= 0 (spare slab rows for evicted rows that batches "
+                             f"read ahead by prefetch still use), got {in_flight_rows!r}")
+        slab = cap + in_flight_rows
+        self.unadmitted_row = slab
+        self.pad_row = slab + 1 if padding_idx is not None else None
+        num_rows = slab + 1 + (padding_idx is not None)
         dtype = dtype or torch.get_default_dtype()
-        slab = torch.zeros(num_rows, self.embedding_dim, dtype=dtype)
+        host = torch.zeros(num_rows, self.embedding_dim, dtype=dtype)
         inner = CachedEmbeddingBag(num_rows, self.embedding_dim, max_norm, norm_type, scale_grad_by_freq, mode,
-                                   sparse, slab, include_last_offset, self.pad_row, device, dtype,
+                                   sparse, host, include_last_offset, self.pad_row, device, dtype,
                                    _freeze=optimizer is None, optimizer=optimizer,
                                    cache_ratio=cache_ratio, cache_rows=cache_rows, **cache_kwargs)
         object.__setattr__(self, "inner", inner)  # not a child: state_dict is keyed by raw id (below)
         self.index = IdIndex(size=4 * cap)
-        self.row_ids = torch.zeros(cap, dtype=torch.int64)  # raw id of each slab row (any int64: no sentinel)
-        self.row_slot = torch.full((cap,), -1, dtype=torch.int64)  # its index slot; -1: the row is free
+        self.row_ids = torch.zeros(slab, dtype=torch.int64)  # raw id of each slab row (any int64: no sentinel)
+        self.row_slot = torch.full((slab,), -1, dtype=torch.int64)  # its index slot; -1: no admitted id
+        self.row_step = torch.zeros(slab, dtype=torch.int64)  # the last training step whose batch reads the row
         self._row_slot_version = self.index.version
-        self.free_rows = torch.arange(cap - 1, -1, -1, dtype=torch.int64)  # a stack: the top is free_rows[n-1]
-        self.n_free = cap
+        self.free_rows = torch.arange(slab - 1, -1, -1, dtype=torch.int64)  # a stack: the top is free_rows[n-1]
+        self.n_free = slab
+        self.admitted = 0  # ids with a row (<= capacity)
+        self.held_rows = torch.zeros(0, dtype=torch.int64)  # evicted rows a batch in flight still reads
+        self.held_until = torch.zeros(0, dtype=torch.int64)  # ... the step of the last such batch
+        self.done_below = 0  # training batches of steps < done_below have run forward and backward
+        self.ahead: deque = deque()  # batches remapped (rows) or queued (None) by prefetch_targets, in order
         self.step = 0
         self.stats = dict.fromkeys(_STAT_NAMES, 0)
         self._state_init = {name: init for name, (_, init) in
@@ -338,20 +361,69 @@ class DynamicEmbeddingBag(nn.Module):
             raise TypeError(f"input must be an int64 (or int32) tensor of raw ids, got "
                             f"{input.dtype if torch.is_tensor(input) else type(input).__name__}")
         flat = input.reshape(-1).to(device="cpu", dtype=torch.int64)
+        rows = self._train_rows(flat) if train else self._rows(flat, train=False)
+        return rows.reshape(input.shape).to(input.device)
+
+    def _train_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """A training forward's rows: the queued ones when prefetch remapped this batch ahead, else remapped now."""
+        if self.ahead:
+            ids, rows, step = self.ahead[0]
+            if ids.shape == flat.shape and torch.equal(ids, flat):
+                self.ahead.popleft()
+                if rows is None:  # read-ahead remapping had paused here: remap now
+                    self._done_below(self.step + 1)
+                    rows = self._rows(flat, train=True)
+                else:
+                    self._done_below(step)
+                self._catch_up()
+                return rows
+            # Not the batch read ahead: the read-ahead batches were abandoned (their ids stay counted).
+            self.ahead.clear()
+        self._done_below(self.step + 1)
+        return self._rows(flat, train=True)
+
+    def _catch_up(self) -> None:
+        """Remap queued batches ahead, in order, as far as spare rows allow."""
+        for i, (ids, rows, _) in enumerate(self.ahead):
+            if rows is None:
+                rows = self._rows(ids, train=True, ahead=True)
+                if rows is None:
+                    return
+                self.ahead[i] = (ids, rows, self.step)
+
+    def _done_below(self, step: int) -> None:
+        """Batches of steps < `step` are done: rows held for them go back on the free list."""
+        self.done_below = step
+        if self.held_rows.numel():
+            done = self.held_until < step
+            self._free(self.held_rows[done])
+            self.held_rows, self.held_until = self.held_rows[~done], self.held_until[~done]
+
+    def _rows(self, flat: torch.Tensor, train: bool, ahead: bool = False, peek: bool = False) -> torch.Tensor | None:
+        """Slab row of each lookup (train: one training step of counting, admission and eviction). `ahead`:
+        None, with nothing changed, when the free rows might not cover this batch's admissions. `peek`: not a
+        lookup (counts no stats)."""
         keep = None
         ids = flat
         if self.padding_idx is not None:
             keep = flat != self.padding_idx
             ids = flat[keep]
         uniq, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
+        if ahead:
+            ttl = self.config.ttl_steps
+            sweep = ttl is not None and self.step > 0 and self.step % ttl == 0
+            need = uniq.numel() if sweep else int((self._find(uniq) < 0).sum())
+            if need > self.n_free:
+                return None
         rows_u = self._admit(uniq, counts) if train else self._find(uniq)
         unadmitted = rows_u < 0
-        self.stats["unadmitted_lookups"] += int(counts[unadmitted].sum())
+        if not peek:
+            self.stats["unadmitted_lookups"] += int(counts[unadmitted].sum())
         rows_u = torch.where(unadmitted, self.unadmitted_row, rows_u)
         rows = rows_u[inverse]
         if keep is not None:
             rows = torch.full_like(flat, self.pad_row).masked_scatter_(keep, rows)
-        return rows.reshape(input.shape).to(input.device)
+        return rows
 
     def _find(self, uniq: torch.Tensor) -> torch.Tensor:
         """Row of each id, -1 when it has none (read-only)."""
@@ -378,10 +450,12 @@ class DynamicEmbeddingBag(nn.Module):
         rows_u = index.row[slots]
         want = torch.nonzero((rows_u < 0) & (index.count[slots] >= cfg.min_count)).reshape(-1)
         if want.numel():
-            short = want.numel() - self.n_free
+            short = want.numel() - (cfg.capacity - self.admitted)
             if short > 0 and cfg.on_full != "reject":
                 self._evict_for(short, in_batch=rows_u[rows_u >= 0])
-            k = min(want.numel(), self.n_free)
+            k = min(want.numel(), cfg.capacity - self.admitted)
+            assert k <= self.n_free, "spare rows exhausted: the ahead check must have paused"
+            self.admitted += k
             self.stats["rejected"] += want.numel() - k
             take = want[:k]  # ascending ids
             rows = self.free_rows[self.n_free - k: self.n_free].flip(0)
@@ -393,6 +467,7 @@ class DynamicEmbeddingBag(nn.Module):
             self._write_rows(rows, initial_rows(cfg.seed, uniq[take], self.embedding_dim))
             self.stats["admitted"] += k
             rows_u[take] = rows
+        self.row_step[rows_u[rows_u >= 0]] = self.step
         self._reset_unadmitted = True  # a backward may update the unadmitted row
         return rows_u
 
@@ -419,16 +494,24 @@ class DynamicEmbeddingBag(nn.Module):
         self._evict_rows(cand[order[:need]])
 
     def _evict_rows(self, rows: torch.Tensor) -> None:
-        """Drop the ids of these rows entirely (index entry, count); the rows go back on the free list. Their
-        contents are rewritten when a row is given out again."""
+        """Drop the ids of these rows entirely (index entry, count); the rows go back on the free list, or are
+        held while a batch in flight reads them. Their contents are rewritten when a row is given out again."""
         if rows.numel() == 0:
             return
         self._sync_row_slot()
         self.index.remove(self.row_slot[rows])
         self.row_slot[rows] = -1
+        self.admitted -= rows.numel()
+        self.stats["evicted"] += rows.numel()
+        until = self.row_step[rows]
+        in_flight = until >= self.done_below
+        self.held_rows = torch.cat([self.held_rows, rows[in_flight]])
+        self.held_until = torch.cat([self.held_until, until[in_flight]])
+        self._free(rows[~in_flight])
+
+    def _free(self, rows: torch.Tensor) -> None:
         self.free_rows[self.n_free: self.n_free + rows.numel()] = rows.sort(descending=True).values
         self.n_free += rows.numel()
-        self.stats["evicted"] += rows.numel()
 
     def evict_stale(self, ttl_steps: int | None = None) -> int:
         """Evict every id (admitted or still counting) unseen in the last `ttl_steps` training steps (default:
@@ -454,27 +537,42 @@ class DynamicEmbeddingBag(nn.Module):
         train = self.training and torch.is_grad_enabled()
         self._zero_unadmitted()
         rows = self._remap(input, train)
+        if train:
+            self._reset_unadmitted = True  # this forward's backward may update the unadmitted row
         self.inner.training = self.training
         return self.inner(rows, offsets, per_sample_weights)
 
     def prefetch_targets(self, batch) -> list[tuple[EmbeddingCache, torch.Tensor]]:
-        """Slab rows of `batch`'s currently admitted ids (read-only: admission happens in the forward, whose
-        rows the cache serves either way)."""
+        """The prefetch stage (cachedemb.prefetch reads batches ahead in training order): a training-mode module
+        remaps `batch` now and queues its rows for its forward; returns its slab rows for the cache window.
+        When spare rows run short (or in eval mode) it returns the rows its ids have now and the forward remaps."""
         if isinstance(batch, dict):
             batch = batch["input"]
         elif isinstance(batch, (tuple, list)):
             batch = batch[0]
-        uniq = torch.unique(batch.reshape(-1).to(device="cpu", dtype=torch.int64))
-        rows = self._find(uniq)
-        return [(self.cache, rows[rows >= 0].to(self.cache.device))]
+        if not torch.is_tensor(batch):
+            raise TypeError(f"cannot find ids in a {type(batch).__name__}: give prefetch(ids=...)")
+        flat = batch.reshape(-1).to(device="cpu", dtype=torch.int64)
+        rows = None
+        if self.training and torch.is_grad_enabled():
+            if all(queued is not None for _, queued, _ in self.ahead):
+                rows = self._rows(flat, train=True, ahead=True)
+            self.ahead.append((flat, rows, self.step if rows is not None else -1))
+        if rows is None:
+            rows = self._rows(flat, train=False, peek=True)
+        rows = torch.unique(rows)
+        return [(self.cache, rows[rows < self.unadmitted_row].to(self.cache.device))]
 
     def dynamic_stats(self) -> dict[str, int]:
         """Counters since construction: ids_seen (distinct ids entered into the index), admitted, rejected (ids
         due a row that found none free), evicted (admitted ids dropped: capacity or ttl), expired (counting ids
         dropped by ttl), unadmitted_lookups (lookups served by the unadmitted row); and the current rows_in_use,
-        counting_ids (seen, not admitted), index_slots, max_probe (longest displacement in the index)."""
+        counting_ids (seen, not admitted), held_rows (evicted, read by a batch in flight), slab_rows (rows for
+        ids, fixed), index_slots, max_probe (longest displacement in the index)."""
         out = dict(self.stats)
-        out["rows_in_use"] = self.config.capacity - self.n_free
+        out["rows_in_use"] = self.admitted
+        out["held_rows"] = self.held_rows.numel()
+        out["slab_rows"] = self.row_ids.numel()
         out["counting_ids"] = self.index.live - out["rows_in_use"]
         out["index_slots"] = self.index.size
         out["max_probe"] = self.index.max_disp
@@ -572,9 +670,13 @@ class DynamicEmbeddingBag(nn.Module):
         self.row_ids[:n] = ids
         self.row_slot.fill_(-1)
         self.row_slot[:n] = slots
-        self.free_rows = torch.arange(cap - 1, n - 1, -1, dtype=torch.int64)
+        slab = self.row_ids.numel()
+        self.free_rows = torch.arange(slab - 1, n - 1, -1, dtype=torch.int64)
         self.free_rows = torch.cat([self.free_rows, torch.zeros(n, dtype=torch.int64)])
-        self.n_free = cap - n
+        self.n_free, self.admitted = slab - n, n
+        self.row_step.zero_()
+        self.held_rows, self.held_until = self.held_rows[:0], self.held_until[:0]
+        self.ahead.clear()
         cache.host_weight[:n] = weight
         for name, state in cache.host_states.items():
             state[:n] = get(f"optimizer.{name}")
@@ -584,6 +686,7 @@ class DynamicEmbeddingBag(nn.Module):
             for name, state in cache.host_states.items():
                 state[self.unadmitted_row] = get(f"unadmitted.optimizer.{name}")
         self.step = int(get("step"))
+        self.done_below = self.step + 1
         self.inner.optimizer_step = int(get("optimizer.step"))
         self._reset_unadmitted = True
         cache.reload()
