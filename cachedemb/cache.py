@@ -28,6 +28,7 @@ from cachedemb.host_memory import host_empty, pinned_copy
 from cachedemb.kernels import id_index
 from cachedemb.policy import Policy, SlotView, resolve
 from cachedemb.sync_mode import counts_on_host
+from cachedemb.victim_pool import VictimPool
 
 STAT_NAMES = ("lookups", "unique", "hits", "misses", "evictions", "rows_in", "rows_out", "windows",
               "window_rows_in", "host_rows", "invalid_ids", "invalid_offsets")
@@ -122,7 +123,11 @@ class EmbeddingCache:
             raise ValueError(f"history must be >= 0 batches, got {history}")
         self.history = torch.zeros(history, len(STAT_NAMES), dtype=torch.int64, device=self.device)
         self.history_batches = 0
-        self.seconds = {"prepare": 0.0, "admit_window": 0.0, "flush": 0.0, "index_rebuild": 0.0}
+        # Host seconds per phase; the O(cache) passes each have their own entry and run at most once per window
+        # (victim_rank: only when the victim pool runs dry; next_use_refresh), per index fill (index_rebuild) or
+        # per `freq_halflife` batches (halve_counts).
+        self.seconds = {"prepare": 0.0, "admit_window": 0.0, "flush": 0.0, "index_rebuild": 0.0,
+                        "victim_rank": 0.0, "next_use_refresh": 0.0, "halve_counts": 0.0}
         if freq_halflife is not None and (not isinstance(freq_halflife, int) or freq_halflife < 1):
             raise ValueError(f"freq_halflife must be None or a positive number of batches, got {freq_halflife!r}")
         self.freq_halflife = freq_halflife
@@ -153,6 +158,7 @@ class EmbeddingCache:
         # tombstones before it passes 5/8 of the table, so probe chains stay short.
         self._index_used = 0
         self._index_limit = (id_index.index_size(self.capacity) * 5) // 8
+        self.victim_pool = VictimPool(self.capacity, dev)
 
     def _set_rows(self, data: torch.Tensor) -> None:
         self.rows = data
@@ -182,7 +188,7 @@ class EmbeddingCache:
         """Bytes this cache holds on its device: rows, optimizer state, slot metadata, index, counters. Per-batch buffers are transient: O(lookups) ids and O(distinct ids) rows."""
         tensors = [self.rows.data, self.slot_ids, self.slot_freq, self.slot_last_use, self.dirty, self.next_use,
                    self.protected, self.index_keys, self.index_slots, self.stats, self.history]
-        tensors += list(self.states.values())
+        tensors += list(self.states.values()) + self.victim_pool.tensors()
         tensors += [t for t in (self.table_starts, self.table_ranks) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -239,6 +245,8 @@ class EmbeddingCache:
         self.slot_ids.index_fill_(0, drop_slots, -1)
         self.dirty.index_fill_(0, drop_slots, False)
         self._index_used = self._on_host((ids >= 0).sum(), self.capacity)
+        if self._on_host(dropped.sum(), 1):  # emptied slots score below the pool's bound
+            self.victim_pool.invalidate()
         self.seconds["index_rebuild"] += time.perf_counter() - start
 
     def _index_reserve(self, count: int) -> None:
@@ -303,7 +311,7 @@ class EmbeddingCache:
         `next_use` (host [num_rows] int64, absolute batch number of each id's next known use, -1 for none)
         feeds the policy; `now` is the batch number the window starts at.
         """
-        self.protected.zero_()
+        self._drop_protection()
         plan = self.plan_window(uniq, policy, next_use, now)
         self.transfer_window(plan)
         self.activate_window(plan)
@@ -320,15 +328,20 @@ class EmbeddingCache:
             raise ValueError(f"a window of {n} distinct ids cannot be resident in a cache of {self.capacity}")
         self.generation += 1
         if next_use is not None:
+            refresh = time.perf_counter()
             slots = torch.arange(self.capacity, device=self.device)
             absolute = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
             kernels.row_copy(next_use, self.slot_ids[: self.capacity], absolute, slots, self.capacity)
             self.next_use = torch.where(absolute >= now, absolute - now, torch.full_like(absolute, -1))
+            self.victim_pool.invalidate()
+            self.seconds["next_use_refresh"] += time.perf_counter() - refresh
         n_uniq = torch.full((1,), n, dtype=torch.int64, device=self.device)
         loc_u, _, _, n_miss, move = self._place(uniq, n_uniq, policy, transfer=False)
         self.bump_stats(windows=torch.ones(1, dtype=torch.int64, device=self.device), window_rows_in=n_miss)
         self.protected.index_fill_(0, self._resident_or_dump(loc_u), True)
-        self.next_use.fill_(-1)
+        if next_use is not None:
+            self.next_use.fill_(-1)
+            self.victim_pool.invalidate()
         self.seconds["admit_window"] += time.perf_counter() - start
         return WindowPlan(loc_u, move)
 
@@ -358,7 +371,7 @@ class EmbeddingCache:
             torch.cuda.current_stream(self.device).wait_event(plan.done)
             if self._pending is plan.done:
                 self._pending = None
-        self.protected.zero_()
+        self._drop_protection()
         self.protected.index_fill_(0, self._resident_or_dump(plan.loc_u), True)
 
     def _resident_or_dump(self, loc: torch.Tensor) -> torch.Tensor:
@@ -370,7 +383,21 @@ class EmbeddingCache:
         if self._pending is not None:
             torch.cuda.current_stream(self.device).wait_event(self._pending)
             self._pending = None
+        self._drop_protection()
+
+    def _drop_protection(self) -> None:
+        """Unprotected slots fall back to their real scores, which may be below the victim pool's bound."""
         self.protected.zero_()
+        self.victim_pool.invalidate()
+
+    def _slot_view(self, slots: torch.Tensor | None, protected: torch.Tensor) -> SlotView:
+        """The policy's view of `slots` (None: all C slots) under the protection mask `protected` (of them)."""
+        c = self.capacity
+        if slots is None:
+            return SlotView(self.slot_ids[:c], self.slot_freq[:c], self.slot_last_use[:c], self.next_use,
+                            protected, self._table_rank())
+        return SlotView(self.slot_ids[slots], self.slot_freq[slots], self.slot_last_use[slots], self.next_use[slots],
+                        protected, self._table_rank(slots), slots, c)
 
     def _place(self, uniq, n_uniq, policy: Policy, transfer: bool = True):
         """Find or admit each of the first n_uniq ids of `uniq`; returns (loc_u, live, n_hit, n_miss, move).
@@ -398,9 +425,15 @@ class EmbeddingCache:
         miss_count = self._on_host(n_miss, cap)
         self._index_used -= min(cap, self.capacity) - min(miss_count, self.capacity)  # exact where counts are free
         k = max(1, min(miss_count, self.capacity))
-        view = SlotView(self.slot_ids[: self.capacity], self.slot_freq[: self.capacity],
-                        self.slot_last_use[: self.capacity], self.next_use, protected, self._table_rank())
-        victims = kernels.victim_select(policy(view), k) if miss_count > 0 else None
+        victims = None
+        if miss_count > 0:
+            ranked = self.victim_pool.rankings
+            rank_start = time.perf_counter()
+            victims = self.victim_pool.choose(policy, self._slot_view, self.protected[: self.capacity], protected, k,
+                                              n_admit, self._on_host(n_hit, cap), early)
+            k = victims.numel()
+            if self.victim_pool.rankings != ranked:
+                self.seconds["victim_rank"] += time.perf_counter() - rank_start
 
         # Rank the misses; rank r < n_admit takes victim r, the rest are served from the host.
         rank = torch.cumsum(is_miss, 0) - 1
@@ -490,6 +523,7 @@ class EmbeddingCache:
         self.dirty.zero_()
         self.maybe_dirty = False
         self._fill(ids, slots, self.capacity)
+        self.victim_pool.invalidate()  # counts re-read from the host
 
     def refresh(self, plan: BatchPlan) -> None:
         """Re-read the rows of the plan's resident ids from the host table (O(batch)): for a caller whose host
@@ -514,6 +548,7 @@ class EmbeddingCache:
         resident = slots >= 0
         self._fill(torch.where(resident, ids, -1), slots, ids.numel())
         self.dirty.index_fill_(0, torch.where(resident, slots, self.dump), False)
+        self.victim_pool.invalidate()  # counts re-read from the host may be lower
 
     def replace_host_table(self, host_weight: torch.Tensor) -> None:
         """Adopt a new host table (same shape; its dtype becomes the cache's, optimizer state following the
@@ -542,6 +577,7 @@ class EmbeddingCache:
         slots = torch.arange(ids.numel(), device=self.device)
         self._fill(ids, slots, ids.numel())
         self.slot_ids[: ids.numel()] = ids
+        self.victim_pool.invalidate()
         self._rebuild_index()
 
     def set_tables(self, starts) -> None:
@@ -558,21 +594,25 @@ class EmbeddingCache:
         rank[order] = torch.arange(order.numel())
         self.table_starts = starts.to(self.device)
         self.table_ranks = rank.to(self.device)
+        self.victim_pool.invalidate()
 
-    def _table_rank(self) -> torch.Tensor | None:
+    def _table_rank(self, slots: torch.Tensor | None = None) -> torch.Tensor | None:
         if getattr(self, "table_starts", None) is None:
             return None
-        ids = self.slot_ids[: self.capacity].clamp(min=0)
+        ids = (self.slot_ids[: self.capacity] if slots is None else self.slot_ids[slots]).clamp(min=0)
         table = torch.searchsorted(self.table_starts, ids, right=True) - 1
         return self.table_ranks[table]
 
     def halve_counts(self) -> None:
         """Age every access count (host and cached) by half, so old popularity fades. O(table) on the host,
         once per `freq_halflife` training batches; on CUDA it waits for in-flight copies of the counts."""
+        start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.host_freq.bitwise_right_shift_(1)
         self.slot_freq.bitwise_right_shift_(1)
+        self.victim_pool.invalidate()  # halving may reorder equal-after-shift counts
+        self.seconds["halve_counts"] += time.perf_counter() - start
 
     def move_to(self, device: torch.device) -> None:
         """Move the device side; the host table stays where it is (pinned if the target is CUDA)."""
@@ -593,6 +633,7 @@ class EmbeddingCache:
             if getattr(self, name, None) is not None:
                 setattr(self, name, getattr(self, name).to(device))
         self.states = {k: v.to(device) for k, v in self.states.items()}
+        self.victim_pool.to(device)
 
     def row_bytes(self) -> int:
         return self.dim * self.host_weight.element_size() + sum(

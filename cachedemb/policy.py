@@ -3,6 +3,12 @@
 Lower score = evicted first. Scores are distinct (the slot index is folded into the low bits), so victim
 choice is deterministic; empty slots score below every occupied one; protected slots score PROTECTED.
 A policy is replaceable: any function with this signature can be passed as `policy=`.
+
+A view may cover only some slots (`slots` names them, `capacity` is the cache's): a policy scores each entry
+from that entry's metadata alone, so a slot's score is the same in any view (the victim pool relies on this).
+A policy marked `@monotone` promises more: while a slot keeps its id and its protection, its score never drops
+when the cache records a use (count up, last use later); the cache may then re-score only a candidate pool
+(cachedemb/victim_pool.py). Unmarked policies get a full ranking of every slot per batch with misses.
 """
 from __future__ import annotations
 
@@ -11,6 +17,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from cachedemb.kernels import PROTECTED
+
+Policy = Callable[["SlotView"], torch.Tensor]
 
 # Keys stay below 2^33 and slots below 2^30, so key * capacity + slot fits in int64. The look-ahead policy
 # ranks rows with a known next use inside the horizon above every row without one (counts are capped).
@@ -26,29 +34,41 @@ class SlotView(NamedTuple):
     next_use: torch.Tensor  # int64 batches until the next known use; -1 = none inside the horizon
     protected: torch.Tensor  # bool: needed by a batch in flight, never evicted
     table_rank: torch.Tensor | None = None  # int64 rank of the row's table by size (0 = largest), if known
+    slots: torch.Tensor | None = None  # int64 slot of each entry; None: entry i is slot i (all C slots)
+    capacity: int | None = None  # C, the cache's slot count; None: the view's length
 
 
-Policy = Callable[[SlotView], torch.Tensor]
+def monotone(policy: Policy) -> Policy:
+    """Mark a policy whose scores never drop on a recorded use (see the module docstring)."""
+    policy.monotone = True
+    return policy
+
+
+def is_monotone(policy) -> bool:
+    return bool(getattr(policy, "monotone", False))
 
 
 def _finish(view: SlotView, key: torch.Tensor) -> torch.Tensor:
-    capacity = view.slot_ids.numel()
-    slot = torch.arange(capacity, device=key.device)
+    capacity = view.slot_ids.numel() if view.capacity is None else view.capacity
+    slot = torch.arange(capacity, device=key.device) if view.slots is None else view.slots
     score = key * capacity + slot
     score = torch.where(view.slot_ids < 0, slot - capacity, score)
     return torch.where(view.protected, torch.full_like(score, PROTECTED), score)
 
 
+@monotone
 def lfu(view: SlotView) -> torch.Tensor:
     """Least frequently used first; ties by slot."""
     return _finish(view, view.freq.clamp(max=2 * _TIER - 1))
 
 
+@monotone
 def lru(view: SlotView) -> torch.Tensor:
     """Least recently used first; ties by slot."""
     return _finish(view, view.last_use.clamp(max=2 * _TIER - 1))
 
 
+@monotone
 def lookahead(view: SlotView) -> torch.Tensor:
     """Rows with no use inside the horizon first (least frequent first; among equal counts, rows of larger
     tables first, since the same count means less in a flatter table), then the row used furthest ahead

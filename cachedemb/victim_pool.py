@@ -1,0 +1,98 @@
+"""Victim choice whose per-batch cost follows the misses: a candidate pool re-scored per batch, ranked in full
+only when it runs dry.
+
+A full ranking scores all C slots and takes the k lowest: O(cache) per batch with misses. The pool keeps the P
+lowest-scored slots of the last full ranking (P ~ the misses of `batches` batches) and `bound`, the highest
+score among them; every slot outside scored above `bound` then. A later batch re-scores only the pool.
+
+Why that is exact: for a `@monotone` policy a slot's score never drops on a recorded use, and the cache's other
+writes to slot metadata land in pool slots (admissions take pool victims). So every slot outside the pool still
+scores above `bound`, and if the pool holds at least n_admit unprotected scores <= bound, its n_admit lowest
+are the whole cache's n_admit lowest. When it does not (drained), the cache is ranked again and the pool
+refilled. Whatever can lower a score outside the pool invalidates it (the cache calls `invalidate`): count
+halving, window protection dropped, next uses refreshed, rows re-read from the host, an index rebuild that
+drops rows, table ranks set, a reload. A full ranking scores slots without this batch's hit protection (a hit
+slot's score falls back once the batch is over), then applies it to the pool.
+
+On CPU with counts on the host the drained test is a host branch. Under the CUDA rules (sync-free) it is a
+device flag: both choices are computed (static shapes) and `torch.where` keeps the right one, so the pool
+only saves work where the host may branch; the selection stays exact either way.
+"""
+from __future__ import annotations
+
+import torch
+
+from cachedemb import kernels
+from cachedemb.kernels import PROTECTED
+from cachedemb.policy import is_monotone
+
+POOL_BATCHES = 8  # the pool holds about this many batches' worth of victims
+
+
+class VictimPool:
+    """The candidate slots of the last full ranking, their bound, and the policy that ranked them."""
+
+    def __init__(self, capacity: int, device: torch.device, batches: int = POOL_BATCHES):
+        if batches < 0:
+            raise ValueError(f"the pool holds >= 0 batches of victims, got {batches}")
+        self.capacity, self.device, self.batches = int(capacity), torch.device(device), int(batches)
+        self.slots = torch.empty(0, dtype=torch.int64, device=self.device)  # [P] candidate slots
+        self.bound = torch.full((1,), PROTECTED, dtype=torch.int64, device=self.device)
+        self.policy = None  # None: invalid, the next choice ranks every slot
+        self.rankings = 0  # full rankings so far (host count)
+
+    def invalidate(self) -> None:
+        self.policy = None
+
+    def tensors(self):
+        return [self.slots, self.bound]
+
+    def to(self, device) -> None:
+        self.device = torch.device(device)
+        self.slots, self.bound = self.slots.to(self.device), self.bound.to(self.device)
+        self.invalidate()
+
+    def pool_size(self, k: int, n_hit: int) -> int:
+        """P: this batch's k victims past its n_hit protected hits, plus `batches` more batches of k."""
+        return min(self.capacity, k + n_hit + self.batches * k)
+
+    def choose(self, policy, view_of, window_protected: torch.Tensor, protected: torch.Tensor, k: int,
+               n_admit: torch.Tensor, n_hit: int, exact: bool) -> torch.Tensor:
+        """The k lowest-scored slots under `protected` (window + this batch's hits), lowest first; exactly the
+        full ranking's first n_admit. `view_of(slots, protected)` builds a SlotView (slots None: all C);
+        `window_protected` is the protection that outlives this batch. With `exact` (counts on the host) fewer
+        than k victims may come back, never fewer than n_admit."""
+        usable = is_monotone(policy) and policy is self.policy and self.slots.numel() >= (1 if exact else k)
+        if usable:
+            pool = self.slots
+            score = policy(view_of(pool, protected[pool]))
+            n_valid = ((score <= self.bound) & (score < PROTECTED)).sum().reshape(1)
+            if exact:
+                if int(n_valid) >= int(n_admit):
+                    return pool[kernels.victim_select(score, min(k, pool.numel()))]
+            else:
+                from_pool = pool[kernels.victim_select(score, k)]
+                drained = n_valid < n_admit
+                old_slots, old_bound = self.slots, self.bound
+                victims = self._rank(policy, view_of, window_protected, protected, k, n_hit)
+                if self.slots.numel() != old_slots.numel():
+                    return victims  # a new pool size: the ranking stands on its own
+                self.slots = torch.where(drained, self.slots, old_slots)
+                self.bound = torch.where(drained, self.bound, old_bound)
+                return torch.where(drained, victims, from_pool)
+        return self._rank(policy, view_of, window_protected, protected, k, n_hit)
+
+    def _rank(self, policy, view_of, window_protected, protected, k, n_hit) -> torch.Tensor:
+        """Score every slot (window protection only), keep the P lowest as the pool, and return this batch's k
+        victims from it (its hits protected)."""
+        score = policy(view_of(None, window_protected))
+        size = self.pool_size(k, n_hit)
+        self.slots = kernels.victim_select(score, size)  # ascending score
+        if size < self.capacity:
+            self.bound = score[self.slots[-1:]]
+        else:  # every slot is a candidate: nothing outside to stay below
+            self.bound = torch.full((1,), PROTECTED - 1, dtype=torch.int64, device=self.device)
+        self.policy = policy if is_monotone(policy) else None
+        self.rankings += 1
+        in_batch = torch.where(protected[self.slots], torch.full_like(self.slots, PROTECTED), score[self.slots])
+        return self.slots[kernels.victim_select(in_batch, min(k, size))]

@@ -1,0 +1,145 @@
+"""The victim pool (cachedemb/victim_pool.py) against a brute-force full ranking: over random sequences of hits,
+admissions and invalidating events, its first n_admit victims equal the n_admit lowest scores of every slot
+(Python's sorted over the policy's full-view scores). Both sizing rules (host branch / device flag) and both
+backends; then whole modules: the pool's evictions equal a full ranking's per batch."""
+import random
+
+import pytest
+import torch
+
+import cachedemb
+from cachedemb import optim
+from cachedemb.kernels import PROTECTED
+from cachedemb.policy import POLICIES, SlotView
+from cachedemb.victim_pool import VictimPool
+
+pytestmark = [pytest.mark.usefixtures("sizing_mode")]
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv("CACHEDEMB_BACKEND", request.param)
+    return request.param
+
+
+class Slots:
+    """Per-slot metadata of a cache of C slots, changed the ways a cache changes it."""
+
+    def __init__(self, capacity: int, g: random.Random):
+        self.C, self.g = capacity, g
+        self.ids = torch.tensor([g.randrange(-1, 1000) if g.random() < 0.2 else g.randrange(1000)
+                                 for _ in range(capacity)], dtype=torch.int64)
+        self.freq = torch.tensor([g.randrange(20) for _ in range(capacity)], dtype=torch.int64)
+        self.last = torch.tensor([g.randrange(5) for _ in range(capacity)], dtype=torch.int64)
+        self.next = torch.tensor([g.choice([-1, -1, g.randrange(64)]) for _ in range(capacity)], dtype=torch.int64)
+        self.window = torch.zeros(capacity, dtype=torch.bool)
+
+    def view(self, slots, protected):
+        if slots is None:
+            return SlotView(self.ids, self.freq, self.last, self.next, protected)
+        return SlotView(self.ids[slots], self.freq[slots], self.last[slots], self.next[slots], protected,
+                        None, slots, self.C)
+
+
+def brute_force(policy, slots: Slots, protected, n: int) -> list[int]:
+    score = policy(slots.view(None, protected)).tolist()
+    order = sorted(range(slots.C), key=lambda s: score[s])
+    return [s for s in order if score[s] < PROTECTED][:n]
+
+
+@pytest.mark.parametrize("policy_name", ["lfu", "lru", "lookahead"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pool_victims_equal_the_full_ranking(policy_name, seed, sizing_mode, backend):
+    g = random.Random(seed)
+    policy = POLICIES[policy_name]
+    C = 97
+    slots = Slots(C, g)
+    pool = VictimPool(C, "cpu", batches=3)
+    exact = sizing_mode == "exact"
+    if backend == "triton" and seed:
+        pytest.skip("the interpreter is slow: one seed for the kernels, both for the reference")
+    steps = 30 if backend == "torch" else (8 if exact else 5)
+    for step in range(1, steps + 1):
+        event = g.random()
+        if event < 0.1:  # halving, new next uses or dropped protection: the cache invalidates
+            slots.freq >>= 1
+            slots.next = torch.tensor([g.choice([-1, g.randrange(64)]) for _ in range(C)], dtype=torch.int64)
+            slots.window.zero_()
+            pool.invalidate()
+        elif event < 0.2:  # protection only added: no invalidation needed
+            slots.window[torch.tensor(g.sample(range(C), 5))] = True
+        hit = torch.tensor(g.sample(range(C), g.randrange(0, 8)), dtype=torch.int64)
+        protected = slots.window.clone()
+        protected[hit] = True
+        n_miss = g.randrange(1, 9)
+        n_admit = min(n_miss, int((~protected).sum()))
+        k = n_miss if exact else 12  # sync-free: the static bound
+        n_hit = hit.numel() if exact else 12
+        victims = pool.choose(policy, slots.view, slots.window, protected, k, torch.tensor([n_admit]), n_hit, exact)
+        assert victims.numel() >= n_admit
+        assert victims[:n_admit].tolist() == brute_force(policy, slots, protected, n_admit), step
+        # Hits raise counts / last use; admitted rows take new ids and any count (the victims are pool slots).
+        slots.freq[hit] += torch.tensor([g.randrange(1, 4) for _ in range(hit.numel())], dtype=torch.int64)
+        slots.last[hit] = step + 5
+        used = victims[:n_admit]
+        slots.ids[used] = torch.tensor([1000 + g.randrange(10**6) for _ in range(n_admit)], dtype=torch.int64)
+        slots.freq[used] = torch.tensor([g.randrange(30) for _ in range(n_admit)], dtype=torch.int64)
+        slots.last[used] = step + 5
+    if exact:  # the pool did the work for most batches: a full ranking only when it ran dry or was invalidated
+        assert pool.rankings < steps // 2
+
+
+def test_pool_is_not_used_for_a_policy_not_marked_monotone(sizing_mode):
+    g = random.Random(3)
+    slots = Slots(50, g)
+    pool = VictimPool(50, "cpu", batches=4)
+
+    def custom(view):  # not marked @monotone: the cache cannot know its scores never drop
+        return POLICIES["lfu"](view)
+
+    for _ in range(5):
+        protected = torch.zeros(50, dtype=torch.bool)
+        pool.choose(custom, slots.view, slots.window, protected, 3, torch.tensor([3]), 0,
+                    sizing_mode == "exact")
+    assert pool.rankings == 5
+
+
+def test_pool_rejects_negative_depth():
+    with pytest.raises(ValueError, match="-1"):
+        VictimPool(10, "cpu", batches=-1)
+
+
+def run_module(policy, trace, capacity, halflife=None):
+    emb = cachedemb.CachedEmbeddingBag(400, 4, mode="sum", cache_rows=capacity, optimizer=optim.SGD(lr=0.1),
+                                       device="cpu", policy=policy, freq_halflife=halflife,
+                                       _weight=torch.randn(400, 4, generator=torch.Generator().manual_seed(0)))
+    resident = []
+    for ids in trace:
+        emb(ids, torch.tensor([0])).sum().backward()
+        resident.append(emb.cache.slot_ids[:capacity].clone())
+    return emb, resident
+
+
+@pytest.mark.parametrize("policy_name", ["lfu", "lru"])
+def test_module_evicts_as_a_full_ranking_does(policy_name, sizing_mode):
+    """A module with the pool and one whose policy is unmarked (so every batch ranks all slots) keep the same
+    rows in the same slots after every batch, and train the same table."""
+    g = torch.Generator().manual_seed(7)
+    # Zipf-ish ids: a hot head that stays resident, a long tail that keeps evicting.
+    trace = [torch.cat([torch.randint(0, 20, (12,), generator=g), torch.randint(0, 400, (20,), generator=g)])
+             for _ in range(40)]
+    policy = POLICIES[policy_name]
+
+    def unmarked(view):
+        return policy(view)
+
+    pooled, pooled_resident = run_module(policy_name, trace, 48, halflife=15)
+    ranked, ranked_resident = run_module(unmarked, trace, 48, halflife=15)
+    for t, (a, b) in enumerate(zip(pooled_resident, ranked_resident)):
+        assert torch.equal(a, b), f"batch {t}: slots differ"
+    assert torch.equal(pooled.cache.stats, ranked.cache.stats)
+    pooled.cache.flush()
+    ranked.cache.flush()
+    assert torch.equal(pooled.cache.host_weight, ranked.cache.host_weight)
+    assert ranked.cache.victim_pool.rankings > pooled.cache.victim_pool.rankings or sizing_mode == "sync_free"
+    assert pooled.cache.timing_dict()["victim_rank"] > 0
