@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import zlib
 
 import numpy as np
 import pytest
@@ -357,6 +358,96 @@ def test_preprocess_malformed_leaves_nothing(tmp_path):
     with pytest.raises(ValueError, match=r"train\.txt: line 901: field I1"):
         preprocess_criteo_kaggle(src, tmp_path / "prep", config=synthetic_criteo(), chunk_rows=256)
     assert sorted(os.listdir(tmp_path)) == before
+
+
+# ---------------------------------------------------------------- corrupt raw files
+
+
+def _truncated_gz(tmp_path, rows=3000):
+    """A gzipped Criteo day cut at half its compressed bytes; returns (path, full lines in the readable prefix)."""
+    plain = tmp_path / "day_full"
+    write_criteo_tsv(plain, rows, _SMALL_CARDS, seed=7)
+    data = gzip.compress(plain.read_bytes())
+    cut = data[: len(data) // 2]
+    gz = tmp_path / "day_1.gz"
+    gz.write_bytes(cut)
+    readable = zlib.decompressobj(wbits=31).decompress(cut)
+    return gz, readable.count(b"\n")
+
+
+def test_truncated_gzip_names_file_and_line(tmp_path):
+    gz, complete = _truncated_gz(tmp_path)
+    assert 0 < complete < 3000
+    for read in (lambda: list(read_criteo_tsv(gz, chunk_rows=256)), lambda: count_lines(gz)):
+        with pytest.raises(ValueError, match="truncated or corrupt") as info:
+            read()
+        msg = str(info.value)
+        line = int(re.search(r": line (\d+):", msg).group(1))
+        assert msg.startswith(str(gz)) and 1 <= line <= complete + 1, msg
+
+
+def test_file_ending_mid_line(tmp_path):
+    p = tmp_path / "c.tsv"
+    p.write_text(_criteo_line() * 4 + _criteo_line()[:60])  # cut inside the 5th line, no newline
+    with pytest.raises(ValueError, match=r"c\.tsv: line 5: expected 40 .* fields, got \d+ \(the file ends mid-line"):
+        list(read_criteo_tsv(p, chunk_rows=3))
+
+
+@pytest.mark.parametrize("column", [1, 5, 20])
+def test_non_ascii_bytes_name_line_and_column(tmp_path, column):
+    fields = _criteo_line().rstrip("\n").encode().split(b"\t")
+    fields[column - 1] = fields[column - 1][:1] + b"\xff\xfe"
+    p = tmp_path / "c.tsv"
+    p.write_bytes(_criteo_line().encode() * 2 + b"\t".join(fields) + b"\n" + _criteo_line().encode())
+    with pytest.raises(ValueError, match=rf"c\.tsv: line 3: column {column}: non-ASCII byte 0xff"):
+        list(read_criteo_tsv(p))
+
+
+def test_avazu_non_ascii_category_is_an_error(tmp_path):
+    # Avazu categoricals are hashed as strings, so without the check a corrupt byte would become a new id.
+    p = tmp_path / "train.csv"
+    bad = _AVAZU_ROW.replace("1fbe01fe", "1fbe\u00e901fe")
+    p.write_bytes((AVAZU_HEADER + "\n" + _AVAZU_ROW + "\n" + bad + "\n").encode("latin-1"))
+    with pytest.raises(ValueError, match=r"train\.csv: line 3: column 6: non-ASCII byte 0xe9"):
+        list(read_avazu_csv(p))
+
+
+def _corrupt_day(tmp_path, kind: str):
+    if kind == "truncated_gz":
+        return _truncated_gz(tmp_path)[0], "truncated or corrupt"
+    p = tmp_path / "day_1"
+    write_criteo_tsv(p, 600, _SMALL_CARDS, seed=8)
+    data = p.read_bytes()
+    lines = data.splitlines(keepends=True)
+    if kind == "mid_line":
+        p.write_bytes(data[: len(data) - len(lines[-1]) // 2])
+        return p, "line 600: expected 40 .* ends mid-line"
+    if kind == "field_count":
+        lines[500] = lines[500].replace(b"\t", b"", 1)
+        p.write_bytes(b"".join(lines))
+        return p, "line 501: expected 40 .* got 39"
+    lines[550] = lines[550][:20] + b"\x80" + lines[550][20:]
+    p.write_bytes(b"".join(lines))
+    return p, "line 551: column \\d+: non-ASCII byte 0x80"
+
+
+@pytest.mark.parametrize("kind", ["truncated_gz", "mid_line", "field_count", "non_ascii"])
+def test_preprocess_corrupt_input_leaves_no_partial_output(tmp_path, kind):
+    day0 = tmp_path / "day_0"
+    write_criteo_tsv(day0, 500, _SMALL_CARDS, seed=9)
+    bad, message = _corrupt_day(tmp_path, kind)
+    cfg = DatasetConfig("tb", "criteo_tsv", CRITEO_KAGGLE.dense_names, CRITEO_KAGGLE.cat_names, _SMALL_CARDS)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(ValueError, match=message):
+        preprocess_criteo_1tb([day0, bad], tmp_path / "out", config=cfg, chunk_rows=128)
+    assert sorted(os.listdir(tmp_path)) == before  # no output dir, no temp dir left behind
+    # overwrite=True over a good earlier output: the failure keeps it whole.
+    good = preprocess_criteo_1tb([day0, day0], tmp_path / "out", config=cfg)
+    files = {f: (good / f).read_bytes() for f in os.listdir(good)}
+    with pytest.raises(ValueError, match=message):
+        preprocess_criteo_1tb([day0, bad], good, config=cfg, chunk_rows=128, overwrite=True)
+    assert {f: (good / f).read_bytes() for f in os.listdir(good)} == files
+    assert sorted(os.listdir(tmp_path)) == sorted(before + ["out"])
 
 
 def test_preprocess_refuses_to_overwrite(tmp_path):

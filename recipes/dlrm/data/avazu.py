@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from itertools import islice
 from typing import Iterator
 
 import numpy as np
@@ -25,6 +24,7 @@ from .criteo import (
     _split_fixed,
     open_binary,
     parse_int_fields,
+    read_lines,
 )
 
 __all__ = [
@@ -121,7 +121,7 @@ def read_avazu_csv(path: str | os.PathLike, chunk_rows: int = DEFAULT_CHUNK_ROWS
         raise ValueError(f"read_avazu_csv: chunk_rows={chunk_rows!r}; expected >= 1")
     spath = os.fspath(path)
     with open_binary(spath) as f:
-        header = f.readline().rstrip(b"\r\n")
+        header = b"".join(read_lines(f, 1, spath, 1)).rstrip(b"\r\n")
         if header.startswith(b"\xef\xbb\xbf"):
             header = header[3:]
         if header != AVAZU_HEADER.encode():
@@ -131,7 +131,7 @@ def read_avazu_csv(path: str | os.PathLike, chunk_rows: int = DEFAULT_CHUNK_ROWS
             )
         line_no = 2
         while True:
-            lines = list(islice(f, chunk_rows))
+            lines = read_lines(f, chunk_rows, spath, line_no)
             if not lines:
                 return
             fields = _split_fixed(spath, lines, b",", len(AVAZU_COLUMNS), line_no, "comma-separated")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import zlib
 from itertools import islice
 from typing import BinaryIO, Iterator, NamedTuple
 
@@ -23,6 +24,7 @@ __all__ = [
     "MISSING_CAT",
     "DEFAULT_CHUNK_ROWS",
     "open_binary",
+    "read_lines",
     "parse_int_fields",
     "read_criteo_tsv",
 ]
@@ -83,6 +85,19 @@ def open_binary(path: str | os.PathLike) -> BinaryIO:
     return open(path, "rb")
 
 
+def read_lines(f: BinaryIO, n: int, path: str, first_line: int) -> list[bytes]:
+    """Up to ``n`` lines of ``f``; a truncated or corrupt ``.gz`` stream becomes a ``ValueError`` naming the file
+    and the first line that could not be read (gzip's own EOFError names neither)."""
+    lines: list[bytes] = []
+    try:
+        for line in islice(f, n):
+            lines.append(line)
+    except (EOFError, OSError, zlib.error) as exc:
+        raise ValueError(f"{path}: line {first_line + len(lines)}: the compressed stream is truncated or corrupt "
+                         f"({exc}); expected a complete gzip file (re-download or re-compress it)") from exc
+    return lines
+
+
 def parse_int_fields(fields: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Decode a fixed-width bytes array (numpy ``S`` dtype) of integer literals.
 
@@ -129,15 +144,26 @@ def _fail(path: str, line: int, field: str, expected: str, got: bytes) -> ValueE
 
 
 def _split_fixed(path: str, lines: list[bytes], sep: bytes, num_fields: int, first_line: int, layout: str) -> np.ndarray:
-    """Split lines into an ``[n, num_fields]`` bytes array, rejecting wrong field counts."""
+    """Split lines into an ``[n, num_fields]`` bytes array, rejecting non-ASCII bytes and wrong field counts
+    (the raw CTR files are ASCII; a byte >= 0x80 means corruption or the wrong file)."""
     stripped = [ln.rstrip(b"\r\n") for ln in lines]
     counts = np.fromiter((ln.count(sep) for ln in stripped), dtype=np.int64, count=len(stripped))
+    joined = sep.join(stripped)
+    if joined and np.frombuffer(joined, dtype=np.uint8).max() >= 0x80:
+        i = next(k for k, ln in enumerate(stripped) if not ln.isascii())
+        col = next(k for k, fld in enumerate(stripped[i].split(sep)) if not fld.isascii())
+        byte = next(b for b in stripped[i] if b >= 0x80)
+        raise ValueError(
+            f"{path}: line {first_line + i}: column {col + 1}: non-ASCII byte 0x{byte:02x}; expected an ASCII "
+            f"{layout} line: {stripped[i][:200].decode('utf-8', 'backslashreplace')!r}"
+        )
     bad = np.flatnonzero(counts != num_fields - 1)
     if bad.size:
         i = int(bad[0])
+        cut = "" if lines[i].endswith(b"\n") else " (the file ends mid-line: truncated?)"
         raise ValueError(
             f"{path}: line {first_line + i}: expected {num_fields} {layout} fields, "
-            f"got {int(counts[i]) + 1}: {stripped[i][:200].decode('utf-8', 'backslashreplace')!r}"
+            f"got {int(counts[i]) + 1}{cut}: {stripped[i][:200].decode('utf-8', 'backslashreplace')!r}"
         )
     return np.array(sep.join(stripped).split(sep), dtype=np.bytes_).reshape(len(stripped), num_fields)
 
@@ -191,7 +217,7 @@ def read_criteo_tsv(path: str | os.PathLike, chunk_rows: int = DEFAULT_CHUNK_ROW
     with open_binary(spath) as f:
         line_no = 1
         while True:
-            lines = list(islice(f, chunk_rows))
+            lines = read_lines(f, chunk_rows, spath, line_no)
             if not lines:
                 return
             fields = _split_fixed(spath, lines, b"\t", CRITEO_NUM_FIELDS, line_no,

@@ -22,6 +22,7 @@ import math
 import os
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -83,7 +84,11 @@ def count_lines(path: str | os.PathLike) -> int:
     last = b"\n"
     with open_binary(path) as f:
         while True:
-            block = f.read(1 << 24)
+            try:
+                block = f.read(1 << 24)
+            except (EOFError, OSError, zlib.error) as exc:
+                raise ValueError(f"{os.fspath(path)}: line {n + 1}: the compressed stream is truncated or corrupt "
+                                 f"({exc}); expected a complete gzip file (re-download or re-compress it)") from exc
             if not block:
                 break
             n += block.count(b"\n")
