@@ -285,6 +285,14 @@ class DynamicEmbeddingBag(nn.Module):
             raise TypeError(f"dynamic must be a cachedemb.DynamicIds, got {type(dynamic).__name__}")
         if _weight is not None:
             raise ValueError("_weight cannot be given with dynamic ids: rows are created per id on admission")
+        if optimizer is None:
+            # A torch optimizer keeps its state per slab row, and a row is reused by other ids after an eviction:
+            # the state would leak from one id to the next. Fused optimizers keep per-row state that admission
+            # resets. A trained table is served without an optimizer by export_keyed().
+            raise ValueError("dynamic ids need a fused sparse optimizer (optimizer=cachedemb.optim.SGD / Adagrad / "
+                             "RowWiseAdagrad / Adam(...)), got optimizer=None: a torch optimizer's per-row state "
+                             "would follow slab rows reused by other ids. For inference, train (or load a "
+                             "state_dict) with a fused optimizer and serve module.export_keyed()")
         if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)
                                         or not -2 ** 63 <= padding_idx < 2 ** 63):
             raise ValueError(f"padding_idx must be an int64 raw id or None, got {padding_idx!r}")

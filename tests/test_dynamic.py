@@ -261,3 +261,15 @@ def test_export_keyed_equals_eval_forward(mode):
         assert torch.equal(got, expected) if mode != "mean" else torch.allclose(got, expected, atol=1e-6, rtol=0)
     exported = torch.export.export(keyed, (ids, offsets))
     assert torch.allclose(exported.module()(ids, offsets), expected, atol=1e-6, rtol=0)
+
+
+def test_optimizer_none_is_refused_naming_fused_optimizers():
+    cfg = DynamicIds(capacity=4)
+    with pytest.raises(ValueError, match=r"fused sparse optimizer \(optimizer=cachedemb.optim.SGD.*got optimizer=None"):
+        DynamicEmbeddingBag(None, DIM, dynamic=cfg)
+    with pytest.raises(ValueError, match="export_keyed"):
+        cachedemb.CachedEmbeddingBag(None, DIM, dynamic=cfg, optimizer=None)
+    from cachedemb.collection import CachedEmbeddingBagCollection
+    from cachedemb.table_config import TableConfig
+    with pytest.raises(ValueError, match="got optimizer=None"):
+        CachedEmbeddingBagCollection([TableConfig("t", None, DIM, dynamic=cfg)], device="cpu")

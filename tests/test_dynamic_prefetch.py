@@ -85,4 +85,5 @@ def test_abandoned_read_ahead_and_bad_in_flight_rows():
     dyn(torch.tensor([3]), torch.tensor([0])).sum().backward()  # not the queued batch: the queue is dropped
     assert len(dyn.ahead) == 0 and dyn.step == 2 and dyn.dynamic_stats()["rows_in_use"] == 3
     with pytest.raises(ValueError, match="in_flight_rows must be an int >= 0.*got -1"):
-        DynamicEmbeddingBag(None, DIM, dynamic=cfg, in_flight_rows=-1)
+        DynamicEmbeddingBag(None, DIM, dynamic=cfg, optimizer=optim.SGD(lr=0.1), in_flight_rows=-1)
+
