@@ -69,6 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir/latest.pt")
     p.add_argument("--stop-after-steps", type=int, default=None, help=argparse.SUPPRESS)  # simulates a crash
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=None, help="preprocessing processes (default: all cores)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     preset = get_preset(DATA_PRESET[args.data])
@@ -111,7 +112,7 @@ def prepare_data(args, preset: RunPreset) -> Path:
                 write_criteo_tsv(tmp, args.synthetic_rows, config.table_sizes, seed=0)
                 os.replace(tmp, raw)
             preprocess_criteo_kaggle(raw, out, config=config, train_fraction=0.9, val_fraction=0.1,
-                                     overwrite=True)
+                                     overwrite=True, workers=args.workers)
         return out
     if args.data_dir is None:
         raise ValueError(f"--data {args.data} needs --data-dir (the directory of the raw files)")
@@ -122,21 +123,21 @@ def prepare_data(args, preset: RunPreset) -> Path:
     out = data_dir / "preprocessed"
     if args.data == "criteo-kaggle":
         raw = _require(data_dir / "train.txt", "Criteo Kaggle's train.txt (from dac.tar.gz) in --data-dir")
-        preprocess_criteo_kaggle(raw, out)
+        preprocess_criteo_kaggle(raw, out, workers=args.workers)
     elif args.data == "criteo-1tb":
         days = sorted((p for p in data_dir.glob("day_*") if p.is_file()),
                       key=lambda p: int("".join(c for c in p.name.split(".")[0] if c.isdigit()) or 0))
         if len(days) < 2:
             raise FileNotFoundError(f"{str(data_dir / 'day_*')!r}: found {len(days)} day files; expected the "
                                     "Criteo 1TB days day_0 .. day_23 (plain or .gz), at least two")
-        preprocess_criteo_1tb(days, out)
+        preprocess_criteo_1tb(days, out, workers=args.workers)
     elif args.data == "avazu":
         raws = [data_dir / "train.csv", data_dir / "train.gz", data_dir / "train.csv.gz"]
         raw = next((p for p in raws if p.is_file()), None)
         if raw is None:
             raise FileNotFoundError(f"{str(raws[0])!r} not found; expected Avazu's train.csv (or train.gz) "
                                     "in --data-dir")
-        preprocess_avazu(raw, out)
+        preprocess_avazu(raw, out, workers=args.workers)
     return out
 
 

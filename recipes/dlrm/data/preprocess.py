@@ -12,7 +12,9 @@ Output (``out_dir``)::
 Parsing happens once, at preprocessing, so training reads fixed-width arrays straight
 from the page cache. Files are streamed chunk by chunk (a first pass only counts
 lines) and written into a temporary sibling directory that is renamed into place at
-the end, so a failure (e.g. a malformed line) leaves nothing partial behind.
+the end, so a failure (e.g. a malformed line) leaves nothing partial behind. With
+``workers`` > 1 both passes run in worker processes over line-aligned units of the
+inputs (:mod:`.parallel`), writing the same bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from . import parallel
 from .avazu import AVAZU_NUM_CAT, AVAZU_NUM_DENSE, read_avazu_csv
 from .configs import AVAZU, CRITEO_KAGGLE, DatasetConfig, criteo_1tb
 from .criteo import (
@@ -132,14 +135,21 @@ def preprocess_files(
     *,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     overwrite: bool = False,
+    workers: int | None = None,
+    split_bytes: int = parallel.DEFAULT_SPLIT_BYTES,
 ) -> Path:
     """Preprocess ``inputs`` (read in order, as one stream of rows) into ``out_dir``.
 
     ``plan`` receives the data-row count of each input and returns the row count of
     each split in :data:`SPLITS` order; splits are consecutive ranges of the stream
     and must cover it exactly. Returns ``out_dir`` as a ``Path``.
+    ``workers`` processes parse in parallel (default: all cores; 1 = this process alone), plain files cut
+    into ~``split_bytes`` units (see :mod:`.parallel`); the output is the same bytes for any ``workers``.
     """
     _check_config(config)
+    workers = parallel.default_workers() if workers is None else workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"preprocess_files: workers={workers!r}; expected an int >= 1 (or None: all cores)")
     inputs = [Path(p) for p in inputs]
     if not inputs:
         raise ValueError("preprocess_files: expected at least one input file, got none")
@@ -150,7 +160,23 @@ def preprocess_files(
     if out.exists() and not overwrite:
         raise FileExistsError(f"preprocess_files: output {str(out)!r} exists; pass overwrite=True to replace it")
     header = _HEADER_LINES[config.raw_format]
-    rows_per_file = [max(count_lines(p) - header, 0) for p in inputs]
+    executor = parallel.pool(workers) if workers > 1 else None
+    try:
+        return _preprocess(inputs, out, config, plan, chunk_rows, header, executor, workers, split_bytes)
+    finally:
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _preprocess(inputs, out, config, plan, chunk_rows, header, executor, workers, split_bytes) -> Path:
+    if executor is None:
+        rows_per_file = [max(count_lines(p) - header, 0) for p in inputs]
+    else:
+        units = parallel.plan_units(inputs, header, split_bytes)
+        flat = [u for file_units in units for u in file_units]
+        unit_rows = list(executor.map(parallel.count_unit, flat))
+        per_file = np.cumsum([0] + [len(u) for u in units])
+        rows_per_file = [int(sum(unit_rows[a:b])) for a, b in zip(per_file[:-1], per_file[1:])]
     total = sum(rows_per_file)
     split_rows = plan(rows_per_file)
     if set(split_rows) != set(SPLITS) or any(v < 0 for v in split_rows.values()) or sum(split_rows.values()) != total:
@@ -175,9 +201,11 @@ def preprocess_files(
         }
         freq = _new_array(tmp, _ID_FREQ, np.int64, (int(offsets[-1]),))
         np.save(tmp / _ID_FREQ_OFFSETS, offsets)
+        if executor is not None:
+            _fill_parallel(executor, workers, flat, unit_rows, tmp, config, bounds, offsets, chunk_rows, header)
         read = _READERS[config.raw_format]
         pos = 0  # global row index of the next row
-        for path, expected in zip(inputs, rows_per_file):
+        for path, expected in zip(inputs if executor is None else [], rows_per_file):
             seen = 0
             for chunk in read(path, chunk_rows=chunk_rows):
                 n = chunk.labels.shape[0]
@@ -234,6 +262,29 @@ def preprocess_files(
     return out
 
 
+def _fill_parallel(executor, workers: int, units, unit_rows, tmp: Path, config: DatasetConfig, bounds, offsets,
+                   chunk_rows: int, header: int) -> None:
+    """Rows by unit (each worker writes its own rows), then train id counts by feature group."""
+    tasks, row, line = [], 0, 1
+    for unit, rows in zip(units, unit_rows):
+        line = 1 if unit.start == 0 else line  # a new file starts at line 1
+        tasks.append(parallel.FillTask(unit, config.raw_format, line + (header if unit.skip_header else 0), row,
+                                       str(tmp), tuple(int(b) for b in bounds), SPLITS,
+                                       tuple(int(s) for s in config.table_sizes), chunk_rows))
+        row, line = row + rows, line + rows + (header if unit.skip_header else 0)
+    for task, rows, written in zip(tasks, unit_rows, executor.map(parallel.fill_unit, tasks)):
+        if written != rows:
+            raise RuntimeError(f"preprocess_files: {task.unit.path!r} bytes {task.unit.start}..{task.unit.end} had "
+                               f"{rows} data lines when counted but {written} when read; was it modified during "
+                               "preprocessing?")
+    n_train = int(bounds[1] - bounds[0])
+    if n_train:
+        groups = parallel.balance_features(config.table_sizes, workers)
+        jobs = [(str(tmp / "train_sparse.npy"), str(tmp / _ID_FREQ), g, tuple(int(o) for o in offsets))
+                for g in groups]
+        list(executor.map(parallel.count_features, jobs))
+
+
 def _check_fractions(train_fraction: float, val_fraction: float) -> None:
     if not (0.0 < train_fraction <= 1.0) or not (0.0 <= val_fraction <= 1.0) or train_fraction + val_fraction > 1.0:
         raise ValueError(
@@ -263,11 +314,14 @@ def preprocess_criteo_kaggle(
     val_fraction: float = 1 / 14,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     overwrite: bool = False,
+    workers: int | None = None,
+    split_bytes: int = parallel.DEFAULT_SPLIT_BYTES,
 ) -> Path:
     """Kaggle convention: the 7 days of ``train.txt`` in order; the first 6/7 of lines are
     train, the last 1/7 is split in half, val then test (the rest after val is test)."""
     return preprocess_files([train_txt], out_dir, config, _fraction_plan(train_fraction, val_fraction),
-                            chunk_rows=chunk_rows, overwrite=overwrite)
+                            chunk_rows=chunk_rows, overwrite=overwrite, workers=workers,
+                            split_bytes=split_bytes)
 
 
 def preprocess_criteo_1tb(
@@ -278,6 +332,8 @@ def preprocess_criteo_1tb(
     val_fraction_of_last_day: float = 0.5,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     overwrite: bool = False,
+    workers: int | None = None,
+    split_bytes: int = parallel.DEFAULT_SPLIT_BYTES,
 ) -> Path:
     """1TB convention: ``day_files`` in day order; all but the last are train, the last day
     is split into val (first ``val_fraction_of_last_day`` of it) and test.
@@ -293,7 +349,8 @@ def preprocess_criteo_1tb(
         return {"train": sum(rows[:-1]), "val": n_val, "test": rows[-1] - n_val}
 
     return preprocess_files(day_files, out_dir, config or criteo_1tb(), plan,
-                            chunk_rows=chunk_rows, overwrite=overwrite)
+                            chunk_rows=chunk_rows, overwrite=overwrite, workers=workers,
+                            split_bytes=split_bytes)
 
 
 def preprocess_avazu(
@@ -305,11 +362,14 @@ def preprocess_avazu(
     val_fraction: float = 0.1,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     overwrite: bool = False,
+    workers: int | None = None,
+    split_bytes: int = parallel.DEFAULT_SPLIT_BYTES,
 ) -> Path:
     """Avazu: rows in file (time) order; first ``train_fraction`` train, next
     ``val_fraction`` val, the rest test."""
     return preprocess_files([csv_path], out_dir, config, _fraction_plan(train_fraction, val_fraction),
-                            chunk_rows=chunk_rows, overwrite=overwrite)
+                            chunk_rows=chunk_rows, overwrite=overwrite, workers=workers,
+                            split_bytes=split_bytes)
 
 
 def load_metadata(data_dir: str | os.PathLike) -> dict:
