@@ -100,9 +100,11 @@ def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, includ
                         if mode == "mean" and offs.numel() > 1:
                             start = int(host_offs[-2])
                             last_bag_scale = (end - start) / (n - start)
+            else:
+                ids = input[:0]  # no offsets, no bags: no lookup is pooled (nor gets a gradient)
             offs = offs.to(device)
             full = offs if include_last_offset else torch.cat(
-                [offs, torch.full((1,), n, dtype=torch.int64, device=device)])
+                [offs, torch.full((1,), ids.numel(), dtype=torch.int64, device=device)])
         else:
             # Device-side repair, no host read: phantom bags [0, offsets[0]) and, with include_last_offset,
             # [offsets[-1], n) hold the lookups outside every bag (made padding below).
