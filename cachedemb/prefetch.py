@@ -32,6 +32,10 @@ yielded is taken as that batch's, all hits; any further one waits for the transf
 for one batch is not admitted: that batch goes through the module's own per-batch path (misses beyond the free
 slots served from the host), so the result is the same either way.
 The ids a batch is read with must be the ids its forward looks up (the default extraction guarantees it).
+
+On a sharded model (`cachedemb.distributed.shard`), reading a batch ahead runs its input all-to-all, as
+torchrec's sparse-dist train pipeline does: each rank's horizon and windows see the ids it owns after the
+exchange, and the batch's forward (the first after its yield) uses the exchanged input.
 """
 from __future__ import annotations
 
@@ -229,6 +233,7 @@ class Prefetcher:
                 # waits for an in-flight window transfer before it serves rows from the host.
                 for cache in self.caches:
                     cache.window_forwards_left = 1
+                self._notify("on_prefetch_yield")
                 yield batch
                 # The consumer asked for the next batch: this one's forward and backward are done.
                 self.buffer.popleft()
@@ -239,6 +244,15 @@ class Prefetcher:
             for cache in self.caches or []:
                 cache.window_forwards_left = 0
                 cache.release_window()
+            self._notify("on_prefetch_end")
+
+    def _notify(self, hook: str) -> None:
+        """Modules that act on the batches themselves (a sharded model, whose input all-to-all ran when a batch
+        was read ahead) hear when a batch is yielded and when the loop ends."""
+        for module in self.modules:
+            fn = getattr(module, hook, None)
+            if fn is not None:
+                fn()
 
 
 def prefetch(batches: Iterable, modules: Sequence, depth: int = 4, horizon: int = 64, ids: IdsFn | None = None,

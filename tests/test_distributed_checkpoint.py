@@ -1,6 +1,7 @@
 """torch.distributed.checkpoint of a sharded model: saved at 2 ranks (row-wise, table-wise and data-parallel
 tables with fused Adam state, a dense layer), loaded at 3 ranks under another plan, at 1 rank, and into the
 unsharded single-process model; every load gives the state the 2-rank job had."""
+import pytest
 import torch
 from torch import nn
 
@@ -60,14 +61,37 @@ def _load_worker(rank: int, world: int, path: str):
     return str(model.plan)
 
 
+def load_at_one_rank(rank: int, world: int, path: str):
+    """Inside a larger job: rank 0 alone (a 1-rank process group) loads the checkpoint; world-size-1 plan."""
+    import torch.distributed as dist
+
+    if rank != 0:
+        return None
+    group = dist.new_group([0], use_local_synchronization=True)
+    model = shard(_Model(seed=1), _plans(1), process_group=group)
+    load_checkpoint(model, path)
+    full = gather_full_state_dict(model)
+    expected = torch.load(f"{path}.expected.pt")
+    assert sorted(full) == sorted(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(full[key], value, msg=lambda m, k=key: f"{k}: {m}")
+    return model.plan.world_size
+
+
+def check_unsharded_load(path: str) -> None:
+    single = _Model(seed=1)
+    load_into_unsharded(single, path)
+    expected = torch.load(f"{path}.expected.pt")
+    assert sorted(single.state_dict()) == sorted(expected)
+    for key, value in single.state_dict().items():
+        torch.testing.assert_close(value, expected[key], msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.slow
 def test_save_at_two_ranks_load_at_three_one_and_unsharded(tmp_path):
     path = str(tmp_path / "ckpt")
     run_spawned(_save_worker, 2, path)
     assert load_plan(path) == _plans(2)
     assert "row_wise" in run_spawned(_load_worker, 3, path)[0]
     run_spawned(_load_worker, 1, path)
-    single = _Model(seed=1)
-    load_into_unsharded(single, path)
-    expected = torch.load(f"{path}.expected.pt")
-    for key, value in single.state_dict().items():
-        torch.testing.assert_close(value, expected[key], msg=lambda m, k=key: f"{k}: {m}")
+    check_unsharded_load(path)

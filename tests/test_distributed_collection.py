@@ -72,6 +72,7 @@ def _worker(rank: int, world: int, optimizer_name: str, row_wise_t1: bool):
     return str(sharded.plan)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,optimizer,row_wise_t1", [(2, "adam", False), (3, "rowwise_adagrad", True)])
 def test_sharded_collection_equals_single_process(world, optimizer, row_wise_t1):
     plans = run_spawned(_worker, world, optimizer, row_wise_t1)

@@ -85,6 +85,7 @@ def _dense_model_worker(rank: int, world: int, fused: bool):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False], ids=["adagrad_fused", "torch_sgd"])
 def test_dense_model_under_ddp_equals_single_process(fused):
     assert run_spawned(_dense_model_worker, 2, fused) == [True, True]
@@ -98,6 +99,7 @@ def _raising_worker(rank: int, world: int):
     model(torch.tensor([1, 7]), torch.tensor([0]))  # rank 0 waits in the exchange until the timeout
 
 
+@pytest.mark.slow
 def test_a_raising_rank_fails_the_job_without_hanging():
     with pytest.raises(Exception, match="rank 1 fails on purpose"):
         run_spawned(_raising_worker, 2, timeout_s=10)

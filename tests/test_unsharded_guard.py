@@ -2,6 +2,7 @@
 its own diverging copy of the table), naming cachedemb.distributed.shard()."""
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -32,6 +33,7 @@ def _worker(rank: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_unsharded_module_refuses_under_world_size_two():
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -39,8 +39,32 @@ class DistributedModelParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return (self._ddp[0] if self._ddp else self.module)(*args, **kwargs)
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        """DistributedDataParallel reads this first thing in its constructor: refuse to be wrapped (DDP would
+        broadcast rank 0's parameters and all-reduce per-rank shard gradients as if they were replicas)."""
+        raise TypeError("DistributedDataParallel around a sharded model: shard() already wraps the dense part "
+                        "in DDP (model.module's dense parameters) and keeps the cached tables model-parallel; "
+                        "use the model shard() returned as it is")
+
     def sharded_modules(self) -> dict[str, ShardedEmbeddingBag]:
         return dict(_sharded_state_names(self.module))
+
+    # `cachedemb.prefetch(batches, [model])` on a sharded model: reading a batch ahead runs its input
+    # all-to-all (each rank's horizon and windows see the ids it owns); the batch's forward uses it.
+    def prefetch_targets(self, batch) -> list:
+        if not hasattr(self.module, "prefetch_targets"):
+            raise TypeError(f"{type(self.module).__name__} has no prefetch_targets(batch): define it to hand "
+                            "each batch's sparse input to its sharded tables' prefetch_targets")
+        return list(self.module.prefetch_targets(batch))
+
+    def on_prefetch_yield(self) -> None:
+        for m in _sharded_state_names(self.module):
+            m[1].on_prefetch_yield()
+
+    def on_prefetch_end(self) -> None:
+        for m in _sharded_state_names(self.module):
+            m[1].on_prefetch_end()
 
 
 def _under(name: str, prefixes: list[str]) -> bool:
@@ -131,7 +155,7 @@ def shard(model: nn.Module, plan: ShardingPlan | dict | None = None, process_gro
         else:
             model = _replace(model, name, ShardedEmbeddingBag(m, plan.tables[name], group, device))
     ranks = dist.get_process_group_ranks(group) if group is not dist.group.WORLD else list(range(world))
-    dense_group = dist.new_group(ranks)
+    dense_group = dist.new_group(ranks, use_local_synchronization=True)  # only the group's ranks call shard()
     return DistributedModelParallel(model, plan, group, dense_group)
 
 

@@ -25,6 +25,8 @@ the sum of the ranks' losses (torchrec's convention; DDP averages the dense grad
 from __future__ import annotations
 
 import math
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -60,6 +62,25 @@ def local_shard(module: CachedEmbeddingBag, start: int, end: int, device: torch.
     return shard
 
 
+@dataclass
+class ExchangedInput:
+    """One local batch after the input all-to-all: what the owner looks up (`local_ids`, `local_offsets`
+    over the bags of every source rank, `recv_psw`) and what this rank needs to combine its pooled parts."""
+
+    n_input: int  # ids the caller passed (to check that a forward is the batch prefetched for it)
+    n_bags: int
+    ids: torch.Tensor  # this rank's lookups (padding dropped), and the bag of each
+    bag_of: torch.Tensor
+    owner: torch.Tensor | None  # owner rank of each lookup (None: data-parallel)
+    lead: int
+    trail: int
+    last_bag_scale: object
+    recv_bags: list[int]  # bags of each source rank
+    local_ids: torch.Tensor  # ids received, local to this rank's rows
+    local_offsets: torch.Tensor | None  # None when this rank keeps no rows
+    recv_psw: torch.Tensor | None
+
+
 class ShardedEmbeddingBag(nn.Module):
     """The sharded equivalent of a CachedEmbeddingBag: same forward signature and outputs; this rank keeps
     rows `sharding.ranges[rank]` in `self.shard` (None when it keeps none)."""
@@ -89,12 +110,22 @@ class ShardedEmbeddingBag(nn.Module):
         self.shard = (local_shard(module, self.row_start, self.row_end, device or module.cache.device,
                                   "max" if self.mode == "max" else "sum")
                       if self.row_end > self.row_start else None)
+        self._prefetched: deque[ExchangedInput] = deque()  # exchanged ahead by cachedemb.prefetch, in order
+        self._armed = False
 
     @property
     def data_parallel(self) -> bool:
         return self.sharding.sharding_type == ShardingType.DATA_PARALLEL
 
     def forward(self, input, offsets=None, per_sample_weights=None):
+        exchanged = self._take_prefetched(input)
+        if exchanged is None:
+            exchanged = self.input_dist(input, offsets, per_sample_weights)
+        return self.compute(exchanged)
+
+    def input_dist(self, input, offsets=None, per_sample_weights=None) -> ExchangedInput:
+        """The input all-to-all of one local batch: ids to their owners (collective: every rank calls it for
+        its own batch, in the same order). `cachedemb.prefetch` runs it ahead of the forward."""
         bags = normalize_bag_input(input, offsets, per_sample_weights, mode=self.mode,
                                    include_last_offset=self.include_last_offset, num_embeddings=self.num_embeddings,
                                    device=input.device, validate=True, padding_idx=self.padding_idx,
@@ -107,19 +138,9 @@ class ShardedEmbeddingBag(nn.Module):
             keep = ids != bags.pad_id
             ids, bag_of = ids[keep], bag_of[keep]
             psw = psw[keep] if psw is not None else None
-        out = self._pool(ids, bag_of, psw, n_bags)
-        if bags.lead or bags.trail:
-            out = out[bags.lead: out.shape[0] - bags.trail]
-        if bags.last_bag_scale is not None and out.shape[0] > 0:
-            factor = torch.ones(out.shape[0], 1, dtype=torch.float64, device=out.device)
-            factor[-1] = bags.last_bag_scale
-            out = out * factor.to(out.dtype)
-        return out
-
-    def _pool(self, ids, bag_of, psw, n_bags: int) -> torch.Tensor:
         world, group = self.world_size, self.group
+        owner = None
         if self.data_parallel:
-            order = None
             send_counts = [ids.numel()] * world
             payload = torch.stack([ids, bag_of], 1).repeat(world, 1)
             psw_send = psw.repeat(world) if psw is not None else None
@@ -132,33 +153,96 @@ class ShardedEmbeddingBag(nn.Module):
             local_ids = ids[order] - self._starts.to(ids.device)[owner_sorted]
             payload = torch.stack([local_ids, bag_of[order]], 1)
             psw_send = psw[order] if psw is not None else None
-        header = torch.tensor([[c, n_bags] for c in send_counts], dtype=torch.int64)
-        recv_header = exchange_counts(header, group)
+        # The split sizes must be on the host (all_to_all_single takes lists): one count exchange per batch.
+        header = torch.tensor([[c, n_bags] for c in send_counts], dtype=torch.int64, device=ids.device)
+        recv_header = exchange_counts(header, group).cpu()
         recv_counts, recv_bags = recv_header[:, 0].tolist(), recv_header[:, 1].tolist()
         recv = all_to_all(payload, recv_counts, send_counts, group)
         recv_psw = AllToAllRows.apply(psw_send, recv_counts, send_counts, group) if psw is not None else None
-        total = sum(recv_bags)
+        local_offsets = None
         if self.shard is not None:
+            total = sum(recv_bags)
             source = torch.repeat_interleave(torch.arange(world, dtype=torch.int64), torch.tensor(recv_counts))
             base = torch.tensor([0] + recv_bags[:-1], dtype=torch.int64).cumsum(0)
             global_bag = recv[:, 1] + base[source].to(recv.device)
             local_offsets = torch.zeros(total + 1, dtype=torch.int64, device=recv.device)
             local_offsets[1:] = torch.bincount(global_bag, minlength=total).cumsum(0)
-            partial = self.shard(recv[:, 0], local_offsets, recv_psw)
+        return ExchangedInput(input.numel(), n_bags, ids, bag_of, owner, bags.lead, bags.trail,
+                              bags.last_bag_scale, recv_bags, recv[:, 0], local_offsets, recv_psw)
+
+    def compute(self, x: ExchangedInput) -> torch.Tensor:
+        """Owner-side lookup of the exchanged ids, pooled parts back by all-to-all, combined per bag."""
+        world, group = self.world_size, self.group
+        if self.shard is not None:
+            partial = self.shard(x.local_ids, x.local_offsets, x.recv_psw)
         else:
-            partial = torch.zeros(0, self.embedding_dim, dtype=self.dtype, requires_grad=True)
+            partial = torch.zeros(0, self.embedding_dim, dtype=self.dtype, device=x.ids.device, requires_grad=True)
         if self.data_parallel:
-            pooled = LocalSliceOfReplicated.apply(partial, recv_bags, self.rank, group)
-            return self._finish(pooled.unsqueeze(0), ids, bag_of, n_bags, per_owner=None)
-        back_in = [recv_bags[r] if self.shard is not None else 0 for r in range(world)]
-        back_out = [n_bags if r in self.owners else 0 for r in range(world)]
-        parts = AllToAllRows.apply(partial, back_out, back_in, group)
-        parts = parts.view(len(self.owners), n_bags, self.embedding_dim)
-        per_owner = None
-        if self.mode == "max" and len(self.owners) > 1:
-            index = owner * n_bags + bag_of
-            per_owner = torch.bincount(index, minlength=world * n_bags).view(world, n_bags)[self.owners]
-        return self._finish(parts, ids, bag_of, n_bags, per_owner)
+            pooled = LocalSliceOfReplicated.apply(partial, x.recv_bags, self.rank, group)
+            out = self._finish(pooled.unsqueeze(0), x.ids, x.bag_of, x.n_bags, per_owner=None)
+        else:
+            n_bags = x.n_bags
+            back_in = [x.recv_bags[r] if self.shard is not None else 0 for r in range(world)]
+            back_out = [n_bags if r in self.owners else 0 for r in range(world)]
+            parts = AllToAllRows.apply(partial, back_out, back_in, group)
+            parts = parts.view(len(self.owners), n_bags, self.embedding_dim)
+            per_owner = None
+            if self.mode == "max" and len(self.owners) > 1:
+                index = x.owner * n_bags + x.bag_of
+                per_owner = torch.bincount(index, minlength=world * n_bags).view(world, n_bags)[self.owners]
+            out = self._finish(parts, x.ids, x.bag_of, n_bags, per_owner)
+        if x.lead or x.trail:
+            out = out[x.lead: out.shape[0] - x.trail]
+        if x.last_bag_scale is not None and out.shape[0] > 0:
+            factor = torch.ones(out.shape[0], 1, dtype=torch.float64, device=out.device)
+            factor[-1] = x.last_bag_scale
+            out = out * factor.to(out.dtype)
+        return out
+
+    # -------------------------------------------------------------- prefetch
+    def prefetch_targets(self, batch) -> list:
+        """`cachedemb.prefetch` protocol: run this batch's input all-to-all now (ahead of its forward, as
+        torchrec's sparse-dist pipeline does) and return (shard cache, the ids this rank owns for it); the
+        batch's forward then uses the exchanged input. `batch`: input tensor, (input, offsets[, weights])
+        tuple, or dict with "input" (and "offsets", "per_sample_weights")."""
+        if isinstance(batch, dict):
+            args = (batch["input"], batch.get("offsets"), batch.get("per_sample_weights"))
+        elif isinstance(batch, (tuple, list)):
+            args = tuple(batch[:3]) + (None,) * (3 - len(batch[:3]))
+        else:
+            args = (batch, None, None)
+        if not torch.is_tensor(args[0]):
+            raise TypeError(f"cannot find ids in a {type(args[0]).__name__}: expected an id tensor, an "
+                            "(input, offsets[, per_sample_weights]) tuple or a dict with 'input'")
+        return self.prefetch_exchange(*args)
+
+    def prefetch_exchange(self, input, offsets=None, per_sample_weights=None) -> list:
+        """Exchange one batch ahead and queue it for the forward `on_prefetch_yield` arms."""
+        exchanged = self.input_dist(input, offsets, per_sample_weights)
+        self._prefetched.append(exchanged)
+        return [(self.shard.cache, exchanged.local_ids)] if self.shard is not None else []
+
+    def on_prefetch_yield(self) -> None:
+        """The prefetcher yields the next batch: this module's next forward is that batch's (the oldest
+        queued exchange), as the prefetcher takes the first forward per cache after a yield."""
+        self._armed = bool(self._prefetched)
+
+    def on_prefetch_end(self) -> None:
+        """The prefetch loop ended (possibly early): batches exchanged ahead but never consumed are dropped
+        (every rank dropped the same ones, so later exchanges stay in step)."""
+        self._prefetched.clear()
+        self._armed = False
+
+    def _take_prefetched(self, input) -> ExchangedInput | None:
+        if not self._armed:
+            return None
+        self._armed = False
+        exchanged = self._prefetched.popleft()
+        if torch.is_tensor(input) and input.numel() != exchanged.n_input:
+            raise RuntimeError(f"the forward under cachedemb.prefetch got {input.numel()} ids, but the batch the "
+                               f"prefetcher yielded has {exchanged.n_input}: the first forward after each yield "
+                               "must be that batch's (run other forwards after it)")
+        return exchanged
 
     def _finish(self, parts, ids, bag_of, n_bags: int, per_owner) -> torch.Tensor:
         """parts: [owners, B, D] partial pools -> [B, D]."""

@@ -53,6 +53,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.embedding_names = list(collection.embedding_names)
         self.hash_ids = collection.hash_ids
         self._dims = list(collection._dims)
+        self.feature_names = list(collection.feature_names)
         self._lookups = [(lk.table, lk.feature, lk.name) for lk in collection._lookups]
         self.embedding_bags = nn.ModuleDict({
             t.name: ShardedEmbeddingBag(_table_module(collection, i), shardings[t.name], group, device)
@@ -60,9 +61,31 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def forward(self, features):
         is_kjt = is_torchrec(features, "KeyedJaggedTensor")
-        per_feature = self._split(features, is_kjt)
-        batch = {f: offsets.numel() - 1 for f, (_, offsets, _) in per_feature.items()}
         pooled: dict[str, torch.Tensor] = {}
+        for name, (ids, offsets, psw, lookups) in self._table_inputs(features, is_kjt).items():
+            out = self.embedding_bags[name](ids, offsets, psw).float()
+            # [features x B, dim], features concatenated feature-major, each with the batch's B bags
+            for (_, key), rows in zip(lookups, out.split([offsets.numel() // len(lookups)] * len(lookups))):
+                pooled[key] = rows
+        if is_kjt:
+            values = torch.cat([pooled[name] for name in self.embedding_names], dim=1)
+            return torchrec_type("KeyedTensor")(keys=list(self.embedding_names), length_per_key=list(self._dims),
+                                                values=values)
+        return pooled
+
+    def prefetch_targets(self, features) -> list:
+        """`cachedemb.prefetch` protocol: every table's input all-to-all for `features` runs now (ahead of the
+        forward); returns (shard cache, ids this rank owns) per table it keeps rows of."""
+        targets = []
+        is_kjt = is_torchrec(features, "KeyedJaggedTensor")
+        for name, (ids, offsets, psw, _) in self._table_inputs(features, is_kjt).items():
+            targets += self.embedding_bags[name].prefetch_exchange(ids, offsets, psw)
+        return targets
+
+    def _table_inputs(self, features, is_kjt: bool) -> dict[str, tuple]:
+        """table -> (ids of all its features concatenated feature-major, bag offsets, weights, its lookups)."""
+        per_feature = self._split(features, is_kjt)
+        inputs = {}
         for i, t in enumerate(self.tables):
             lookups = [(f, name) for ti, f, name in self._lookups if ti == i]
             ids, offsets, weights, start = [], [], [], 0
@@ -73,14 +96,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 weights.append(w)
                 start += values.numel()
             psw = torch.cat(weights) if weights[0] is not None else None
-            out = self.embedding_bags[t.name](torch.cat(ids), torch.cat(offsets), psw).float()
-            for (f, name), rows in zip(lookups, out.split([batch[f] for f, _ in lookups])):
-                pooled[name] = rows
-        if is_kjt:
-            values = torch.cat([pooled[name] for name in self.embedding_names], dim=1)
-            return torchrec_type("KeyedTensor")(keys=list(self.embedding_names), length_per_key=list(self._dims),
-                                                values=values)
-        return pooled
+            inputs[t.name] = (torch.cat(ids), torch.cat(offsets), psw, lookups)
+        return inputs
 
     def _split(self, features, is_kjt: bool) -> dict[str, tuple]:
         """feature -> (values int64, offsets with the end, per-sample weights or None)."""
@@ -98,6 +115,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 offsets = ends[k * batch:(k + 1) * batch + 1] - lo
                 out[key] = (values[lo:hi].to(torch.int64), offsets,
                             weights[lo:hi] if weights is not None else None)
+        elif torch.is_tensor(features):
+            if features.dim() != 2 or features.shape[1] != len(self.feature_names):
+                raise ValueError(f"a tensor input must be [B, {len(self.feature_names)}] (one id per sample and "
+                                 f"feature, columns {self.feature_names}), got shape {tuple(features.shape)}")
+            offsets = torch.arange(features.shape[0] + 1, dtype=torch.int64, device=features.device)
+            for k, key in enumerate(self.feature_names):
+                if key in needed:
+                    out[key] = (features[:, k].to(torch.int64), offsets, None)
         else:
             for key, value in features.items():
                 if key in needed:
