@@ -162,13 +162,15 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
     def __init__(self, tables: Sequence, is_weighted: bool = False, device=None, *, cache_ratio: float = 0.01,
                  cache_rows: int | None = None, optimizer: SparseOptimizer | None = None, id_freq=None,
                  warmup_ratio: float = 0.7, policy: str | Policy = "lfu", hash_ids: bool = False,
-                 validate_inputs: bool = True, dynamic: Mapping[str, DynamicIds] | None = None):
+                 validate_inputs: bool = True, dynamic: Mapping[str, DynamicIds] | None = None,
+                 count_in_eval: bool = False):
         super().__init__()
         self._configs = list(tables)
         self.tables: list[TableConfig] = self._check_tables(self._configs, dynamic)
         self.hash_ids, self.is_weighted_, self.validate_inputs = bool(hash_ids), bool(is_weighted), validate_inputs
         self._bag_kwargs = dict(cache_ratio=cache_ratio, cache_rows=cache_rows, optimizer=optimizer,
                                 warmup_ratio=warmup_ratio, policy=policy)
+        self.count_in_eval = bool(count_in_eval)  # plain tables only: dynamic tables' eval forwards are read-only
         self._freqs = self._check_id_freq(id_freq)
         shared = Counter(f for t in self.tables for f in t.feature_names)
         self._lookups = [_Lookup(i, f, f"{f}@{t.name}" if shared[f] > 1 else f)
@@ -292,7 +294,7 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
                 freq = torch.cat([self._freqs[i] for i in group.tables]) if self._freqs is not None else None
                 bag = _GroupBag(group.rows, group.dim, mode=group.pooling, include_last_offset=True, _weight=host,
                                 dtype=group.dtype, device=device, id_freq=freq, validate_inputs=False,
-                                **self._bag_kwargs)
+                                count_in_eval=self.count_in_eval, **self._bag_kwargs)
                 bag.cache.set_tables(list(group.row_offsets))
                 bags.append(bag)
         self.bags = bags

@@ -125,7 +125,11 @@ class CachedEmbeddingBag(nn.Module):
 
     `weight` behaves as nn.EmbeddingBag's: reading `m.weight` writes cached updates back first, and in-place
     writes through it (also via `.data`, `nn.init`) are seen by the next forward; `m.weight = nn.Parameter(t)`
-    replaces the table.
+    replaces the table. A reference to the table kept across steps (even written through `.data`) is safe:
+    while one lives, steps write their rows through to the host (a one-time warning names the cost).
+
+    Only training forwards count lookups for the LFU eviction; `count_in_eval=True` makes every forward count,
+    so an inference-only (eval, no_grad) cache adapts to the traffic it serves.
 
     Example (mode="sum")::
 
@@ -150,7 +154,7 @@ class CachedEmbeddingBag(nn.Module):
                  padding_idx: int | None = None, device=None, dtype=None, *, _freeze: bool = False, cache_ratio: float = 0.01, cache_rows: int | None = None, optimizer: SparseOptimizer | None = None,
                  id_freq: torch.Tensor | None = None, warmup_ratio: float = 0.7, policy: str | Policy = "lfu",
                  validate_inputs: bool = True, stats_history: int = 0, freq_halflife: int | None = None,
-                 dynamic=None):
+                 count_in_eval: bool = False, dynamic=None):
         super().__init__()
         self._check_args(num_embeddings, embedding_dim, max_norm, norm_type, mode, cache_ratio, cache_rows,
                          optimizer, warmup_ratio, _weight)
@@ -160,6 +164,9 @@ class CachedEmbeddingBag(nn.Module):
         self.padding_idx = self._check_padding_idx(padding_idx)
         self.optimizer, self.optimizer_step = optimizer, 0
         self.validate_inputs = validate_inputs
+        # An inference-only module (eval, no_grad) still counts its lookups, so a serving cache's LFU learns
+        # the traffic it sees; by default only training forwards count (eval batches do not skew training).
+        self.count_in_eval = bool(count_in_eval)
         dtype = dtype or (_weight.dtype if _weight is not None else torch.get_default_dtype())
         if dtype not in _TABLE_DTYPES:
             raise TypeError(f"dtype must be one of {', '.join(map(str, _TABLE_DTYPES))}, got {dtype}")
@@ -284,7 +291,7 @@ class CachedEmbeddingBag(nn.Module):
         self._see_table_writes(refresh_later=weight_grad, watched=watched)
         if bags.invalid_ids is not None:
             cache.bump_stats(invalid_ids=bags.invalid_ids, invalid_offsets=bags.invalid_offsets)
-        plan = cache.prepare(bags.ids, bags.pad_id, train=train and self.training)
+        plan = cache.prepare(bags.ids, bags.pad_id, train=(train and self.training) or self.count_in_eval)
         if weight_grad or watched:
             cache.refresh(plan)
         if self.max_norm is not None:
