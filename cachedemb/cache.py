@@ -25,7 +25,7 @@ import torch
 
 from cachedemb import kernels
 from cachedemb.host_memory import host_empty, pinned_copy
-from cachedemb.kernels import id_index
+from cachedemb.kernels import PROTECTED, id_index
 from cachedemb.policy import Policy, SlotView, resolve
 from cachedemb.sync_mode import counts_on_host
 from cachedemb.victim_pool import VictimPool
@@ -151,6 +151,7 @@ class EmbeddingCache:
         self.dirty = torch.zeros(slots + 1, dtype=torch.bool, device=dev)
         self.next_use = torch.full((self.capacity,), -1, dtype=torch.int64, device=dev)
         self.protected = torch.zeros(self.capacity + 1, dtype=torch.bool, device=dev)
+        self._n_protected = torch.zeros(1, dtype=torch.int64, device=dev)  # protected[:C].sum(), per window
         # The id index packs each resident id with its slot in one int64 entry; index_slots stays empty.
         self.index_keys = id_index.new_index(self.capacity, dev)
         self.index_slots = torch.empty(0, dtype=torch.int64, device=dev)
@@ -185,10 +186,11 @@ class EmbeddingCache:
             self.stats[i:i + 1].add_(value.reshape(1).to(torch.int64))
 
     def device_bytes(self) -> int:
-        """Bytes this cache holds on its device: rows, optimizer state, slot metadata, index, counters. Per-batch buffers are transient: O(lookups) ids and O(distinct ids) rows."""
+        """Bytes this cache holds on its device: rows, optimizer state, slot metadata, index, counters. Per-batch buffers are transient: O(lookups) ids and O(distinct ids) rows.
+        The victim pool (at most C int64 slots, from the first full ranking on) is `victim_pool_bytes()`."""
         tensors = [self.rows.data, self.slot_ids, self.slot_freq, self.slot_last_use, self.dirty, self.next_use,
                    self.protected, self.index_keys, self.index_slots, self.stats, self.history]
-        tensors += list(self.states.values()) + self.victim_pool.tensors()
+        tensors += list(self.states.values())
         tensors += [t for t in (self.table_starts, self.table_ranks) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -339,6 +341,7 @@ class EmbeddingCache:
         loc_u, _, _, n_miss, move = self._place(uniq, n_uniq, policy, transfer=False)
         self.bump_stats(windows=torch.ones(1, dtype=torch.int64, device=self.device), window_rows_in=n_miss)
         self.protected.index_fill_(0, self._resident_or_dump(loc_u), True)
+        self._count_protected()
         if next_use is not None:
             self.next_use.fill_(-1)
             self.victim_pool.invalidate()
@@ -373,6 +376,7 @@ class EmbeddingCache:
                 self._pending = None
         self._drop_protection()
         self.protected.index_fill_(0, self._resident_or_dump(plan.loc_u), True)
+        self._count_protected()
 
     def _resident_or_dump(self, loc: torch.Tensor) -> torch.Tensor:
         """Cache slots of `loc`; host locations and -1 go to the trailing dump element."""
@@ -388,7 +392,12 @@ class EmbeddingCache:
     def _drop_protection(self) -> None:
         """Unprotected slots fall back to their real scores, which may be below the victim pool's bound."""
         self.protected.zero_()
+        self._n_protected.zero_()
         self.victim_pool.invalidate()
+
+    def _count_protected(self) -> None:
+        """Recount the window's protected slots (O(cache), once per window)."""
+        self._n_protected = self.protected[: self.capacity].sum().reshape(1)
 
     def _slot_view(self, slots: torch.Tensor | None, protected: torch.Tensor) -> SlotView:
         """The policy's view of `slots` (None: all C slots) under the protection mask `protected` (of them)."""
@@ -417,10 +426,23 @@ class EmbeddingCache:
         n_hit = is_hit.sum().reshape(1)
         n_miss = is_miss.sum().reshape(1)
 
-        protected = self.protected.clone()
-        protected.index_fill_(0, torch.where(is_hit, slot, torch.full_like(slot, self.capacity)), True)
-        protected = protected[: self.capacity]
-        n_free = (self.capacity - protected.sum()).reshape(1)
+        # This batch's hits are protected too, in place while victims are chosen (O(hits); restored after),
+        # counted past the window's.
+        hit_slots = torch.where(is_hit, slot, torch.full_like(slot, self.capacity))
+        was = self.protected[hit_slots]
+        newly = is_hit & was.logical_not()
+        n_free = (self.capacity - self._n_protected - newly.sum()).reshape(1)
+        self.protected.index_fill_(0, hit_slots, True)
+
+        def protected(slots):
+            return self.protected[: self.capacity] if slots is None else self.protected[slots]
+
+        def unprotect_hits(score):
+            """A full ranking's scores with the hits' protection taken off again (what they score later)."""
+            at = hit_slots.clamp(max=self.capacity - 1)
+            own = policy(self._slot_view(at, was))
+            score.scatter_reduce_(0, at, torch.where(newly, own, torch.full_like(own, PROTECTED)), "amin")
+
         n_admit = torch.minimum(n_miss, n_free)
         miss_count = self._on_host(n_miss, cap)
         self._index_used -= min(cap, self.capacity) - min(miss_count, self.capacity)  # exact where counts are free
@@ -429,11 +451,12 @@ class EmbeddingCache:
         if miss_count > 0:
             ranked = self.victim_pool.rankings
             rank_start = time.perf_counter()
-            victims = self.victim_pool.choose(policy, self._slot_view, self.protected[: self.capacity], protected, k,
+            victims = self.victim_pool.choose(policy, self._slot_view, unprotect_hits, protected, k,
                                               n_admit, self._on_host(n_hit, cap), early)
             k = victims.numel()
             if self.victim_pool.rankings != ranked:
                 self.seconds["victim_rank"] += time.perf_counter() - rank_start
+        self.protected.index_put_((hit_slots,), was)
 
         # Rank the misses; rank r < n_admit takes victim r, the rest are served from the host.
         rank = torch.cumsum(is_miss, 0) - 1
@@ -626,7 +649,7 @@ class EmbeddingCache:
             self.host_freq = pinned_copy(self.host_freq)
         self.device = device
         self._set_rows(self.rows.data.to(device))
-        for name in ("slot_ids", "slot_freq", "slot_last_use", "dirty", "next_use", "protected",
+        for name in ("slot_ids", "slot_freq", "slot_last_use", "dirty", "next_use", "protected", "_n_protected",
                      "index_keys", "index_slots", "stats", "history"):
             setattr(self, name, getattr(self, name).to(device))
         for name in ("table_starts", "table_ranks"):
@@ -634,6 +657,10 @@ class EmbeddingCache:
                 setattr(self, name, getattr(self, name).to(device))
         self.states = {k: v.to(device) for k, v in self.states.items()}
         self.victim_pool.to(device)
+
+    def victim_pool_bytes(self) -> int:
+        """Bytes of the victim pool's candidates and bound, and the window's protected count."""
+        return sum(t.numel() * t.element_size() for t in self.victim_pool.tensors() + [self._n_protected])
 
     def row_bytes(self) -> int:
         return self.dim * self.host_weight.element_size() + sum(

@@ -56,43 +56,46 @@ class VictimPool:
         """P: this batch's k victims past its n_hit protected hits, plus `batches` more batches of k."""
         return min(self.capacity, k + n_hit + self.batches * k)
 
-    def choose(self, policy, view_of, window_protected: torch.Tensor, protected: torch.Tensor, k: int,
+    def choose(self, policy, view_of, unprotect_hits, protected, k: int,
                n_admit: torch.Tensor, n_hit: int, exact: bool) -> torch.Tensor:
-        """The k lowest-scored slots under `protected` (window + this batch's hits), lowest first; exactly the
-        full ranking's first n_admit. `view_of(slots, protected)` builds a SlotView (slots None: all C);
-        `window_protected` is the protection that outlives this batch. With `exact` (counts on the host) fewer
+        """The k lowest-scored slots under `protected(slots)` (window + this batch's hits, a bool per slot),
+        lowest first; exactly the full ranking's first n_admit. `view_of(slots, protected)` builds a SlotView
+        (slots None: all C);
+        `unprotect_hits(score)` takes this batch's hit protection off full-view scores in place (O(hits)). With `exact` (counts on the host) fewer
         than k victims may come back, never fewer than n_admit."""
         usable = is_monotone(policy) and policy is self.policy and self.slots.numel() >= (1 if exact else k)
         if usable:
             pool = self.slots
-            score = policy(view_of(pool, protected[pool]))
+            score = policy(view_of(pool, protected(pool)))
             n_valid = ((score <= self.bound) & (score < PROTECTED)).sum().reshape(1)
             if exact:
                 if int(n_valid) >= int(n_admit):
-                    return pool[kernels.victim_select(score, min(k, pool.numel()))]
+                    return pool[kernels.victim_select(score, min(k, pool.numel()), exact)]
             else:
                 from_pool = pool[kernels.victim_select(score, k)]
                 drained = n_valid < n_admit
                 old_slots, old_bound = self.slots, self.bound
-                victims = self._rank(policy, view_of, window_protected, protected, k, n_hit)
+                victims = self._rank(policy, view_of, unprotect_hits, protected, k, n_hit, exact)
                 if self.slots.numel() != old_slots.numel():
                     return victims  # a new pool size: the ranking stands on its own
                 self.slots = torch.where(drained, self.slots, old_slots)
                 self.bound = torch.where(drained, self.bound, old_bound)
                 return torch.where(drained, victims, from_pool)
-        return self._rank(policy, view_of, window_protected, protected, k, n_hit)
+        return self._rank(policy, view_of, unprotect_hits, protected, k, n_hit, exact)
 
-    def _rank(self, policy, view_of, window_protected, protected, k, n_hit) -> torch.Tensor:
+    def _rank(self, policy, view_of, unprotect_hits, protected, k, n_hit, exact) -> torch.Tensor:
         """Score every slot (window protection only), keep the P lowest as the pool, and return this batch's k
         victims from it (its hits protected)."""
-        score = policy(view_of(None, window_protected))
+        all_protected = protected(None)
+        score = policy(view_of(None, all_protected))
+        unprotect_hits(score)
         size = self.pool_size(k, n_hit)
-        self.slots = kernels.victim_select(score, size)  # ascending score
+        self.slots = kernels.victim_select(score, size, exact)  # ascending score
         if size < self.capacity:
             self.bound = score[self.slots[-1:]]
         else:  # every slot is a candidate: nothing outside to stay below
             self.bound = torch.full((1,), PROTECTED - 1, dtype=torch.int64, device=self.device)
         self.policy = policy if is_monotone(policy) else None
         self.rankings += 1
-        in_batch = torch.where(protected[self.slots], torch.full_like(self.slots, PROTECTED), score[self.slots])
-        return self.slots[kernels.victim_select(in_batch, min(k, size))]
+        in_batch = torch.where(protected(self.slots), torch.full_like(self.slots, PROTECTED), score[self.slots])
+        return self.slots[kernels.victim_select(in_batch, min(k, size), exact)]

@@ -13,13 +13,24 @@ from .dispatch import backend_for, gpu_shapes, on_device
 PROTECTED = torch.iinfo(torch.int64).max
 
 
-def victim_select_torch(score: torch.Tensor, k: int):
-    """Reference: the k smallest scores. Returns int64 slots [k], smallest score first. For a large k a full
-    sort beats top-k on CPU; with distinct scores both give the same slots."""
-    k = min(int(k), score.numel())
-    if 8 * k > score.numel():
-        return torch.sort(score).indices[:k]
+def victim_select_torch(score: torch.Tensor, k: int, host_sizes: bool = False):
+    """Reference: the k smallest scores. Returns int64 slots [k], smallest score first (scores are distinct, so
+    any exact method gives the same slots). With `host_sizes` (CPU, counts free to read) a large C is first cut
+    down to the scores at or below a threshold estimated from a strided sample, so top-k sorts ~k candidates
+    rather than partitioning all C; a short cut falls back to the plain top-k."""
+    n = score.numel()
+    k = min(int(k), n)
+    if host_sizes and n >= _CUT_MIN and 0 < k <= n // 4:
+        sample = score[:: n // _CUT_SAMPLE]
+        q = min(sample.numel(), int(sample.numel() * k * 1.25 / n) + 16)  # a margin above k/n
+        cand = (score <= torch.kthvalue(sample, q).values).nonzero().squeeze(1)
+        if k <= cand.numel() <= n // 2:
+            return cand[torch.topk(score[cand], k, largest=False, sorted=True).indices]
     return torch.topk(score, k, largest=False, sorted=True).indices
+
+
+_CUT_MIN = 1 << 17  # below this, a plain top-k
+_CUT_SAMPLE = 4096
 
 RADIX_BITS = 8  # the kernels below are written for 8-bit digits (0xFF, 256 bins)
 N_BINS = 1 << RADIX_BITS
@@ -137,8 +148,9 @@ def victim_select_triton(score: torch.Tensor, k: int):
     return cand_slot[order]
 
 
-def victim_select(score: torch.Tensor, k: int):
+def victim_select(score: torch.Tensor, k: int, host_sizes: bool = False):
+    """`host_sizes`: the caller may read counts on the host (CPU outside the sync-free mode)."""
     if backend_for(score.device) == "triton":
         with on_device(score):
             return victim_select_triton(score, k)
-    return victim_select_torch(score, k)
+    return victim_select_torch(score, k, host_sizes)

@@ -9,7 +9,7 @@ import torch
 
 import cachedemb
 from cachedemb import optim
-from cachedemb.kernels import PROTECTED
+from cachedemb.kernels import PROTECTED, victim_select_torch
 from cachedemb.policy import POLICIES, SlotView
 from cachedemb.victim_pool import VictimPool
 
@@ -39,6 +39,18 @@ class Slots:
             return SlotView(self.ids, self.freq, self.last, self.next, protected)
         return SlotView(self.ids[slots], self.freq[slots], self.last[slots], self.next[slots], protected,
                         None, slots, self.C)
+
+
+def at(protected):
+    return lambda which: protected if which is None else protected[which]
+
+
+def unprotect(policy, slots: Slots, protected):
+    """The cache's contract, the long way: scores of the batch's hit slots as if only the window protected."""
+    def apply(score):
+        window_only = policy(slots.view(None, slots.window))
+        score.copy_(torch.where(protected & ~slots.window, window_only, score))
+    return apply
 
 
 def brute_force(policy, slots: Slots, protected, n: int) -> list[int]:
@@ -75,7 +87,8 @@ def test_pool_victims_equal_the_full_ranking(policy_name, seed, sizing_mode, bac
         n_admit = min(n_miss, int((~protected).sum()))
         k = n_miss if exact else 12  # sync-free: the static bound
         n_hit = hit.numel() if exact else 12
-        victims = pool.choose(policy, slots.view, slots.window, protected, k, torch.tensor([n_admit]), n_hit, exact)
+        victims = pool.choose(policy, slots.view, unprotect(policy, slots, protected), at(protected), k,
+                              torch.tensor([n_admit]), n_hit, exact)
         assert victims.numel() >= n_admit
         assert victims[:n_admit].tolist() == brute_force(policy, slots, protected, n_admit), step
         # Hits raise counts / last use; admitted rows take new ids and any count (the victims are pool slots).
@@ -99,7 +112,7 @@ def test_pool_is_not_used_for_a_policy_not_marked_monotone(sizing_mode):
 
     for _ in range(5):
         protected = torch.zeros(50, dtype=torch.bool)
-        pool.choose(custom, slots.view, slots.window, protected, 3, torch.tensor([3]), 0,
+        pool.choose(custom, slots.view, unprotect(custom, slots, protected), at(protected), 3, torch.tensor([3]), 0,
                     sizing_mode == "exact")
     assert pool.rankings == 5
 
@@ -143,3 +156,18 @@ def test_module_evicts_as_a_full_ranking_does(policy_name, sizing_mode):
     assert torch.equal(pooled.cache.host_weight, ranked.cache.host_weight)
     assert ranked.cache.victim_pool.rankings > pooled.cache.victim_pool.rankings or sizing_mode == "sync_free"
     assert pooled.cache.timing_dict()["victim_rank"] > 0
+
+
+@pytest.mark.parametrize("order", ["random", "ascending", "descending", "clustered"])
+@pytest.mark.parametrize("k", [777, 30_000])
+def test_threshold_cut_selects_the_k_smallest(order, k):
+    """The CPU reference's sampled-threshold cut (host sizes) returns what a full sort does, whatever the
+    layout of the scores (a sample can misjudge sorted or clustered scores: then it falls back)."""
+    n = 140_003
+    g = torch.Generator().manual_seed(k)
+    base = torch.randperm(n, generator=g) * 3 - n
+    score = {"random": base, "ascending": torch.sort(base).values, "descending": torch.sort(base).values.flip(0),
+             "clustered": torch.where(torch.arange(n) % 4096 == 0, base - 10 * n, base)}[order]
+    expected = torch.sort(score).indices[:k]
+    assert torch.equal(victim_select_torch(score, k, host_sizes=True), expected)
+    assert torch.equal(victim_select_torch(score, k), expected)
