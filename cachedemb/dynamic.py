@@ -30,7 +30,8 @@ evicted id that returns is bit-equal to a never-seen one (`EmbeddingCache.reread
 
 Eval forwards (`module.eval()` or no grad) are read-only: no counting, no admission, no sweep (inside a prefetch
 loop they see the admissions of the batches already read ahead).
-The reference path (a Python dict remap) is `cachedemb.dynamic_naive`.
+The reference path (a Python dict remap) is `cachedemb.dynamic_naive`; the id index is `cachedemb.dynamic_index`,
+the serving module `cachedemb.dynamic_keyed`.
 """
 from __future__ import annotations
 
@@ -41,40 +42,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cachedemb.cache import EmbeddingCache, state_dtype
+from cachedemb.cache import EmbeddingCache
+from cachedemb.dynamic_index import _GOLDEN, IdIndex, _i64, _lsr, mix64
+from cachedemb.dynamic_keyed import KeyedEmbeddingBag
 from cachedemb.optim import SparseOptimizer
 
 ON_FULL = ("evict_lfu", "evict_lru", "reject")
 UNADMITTED = ("zero", "shared")
-
-_M64 = (1 << 64) - 1
-
-
-def _i64(value: int) -> int:
-    """A uint64 constant as the int64 with the same bits."""
-    value &= _M64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GOLDEN = _i64(0x9E3779B97F4A7C15)
-_MIX1 = _i64(0xBF58476D1CE4E5B9)
-_MIX2 = _i64(0x94D049BB133111EB)
-_HASH_SALT = _i64(0x5851F42D4C957F2D)
-
-
-def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer on int64 bits (wrapping arithmetic): a bijection with full avalanche."""
-    x = x ^ _lsr(x, 30)
-    x = x * _MIX1
-    x = x ^ _lsr(x, 27)
-    x = x * _MIX2
-    return x ^ _lsr(x, 31)
-
 
 def initial_rows(seed: int, ids: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[n, dim] N(0, 1) rows (nn.EmbeddingBag's init) as a pure function of (seed, id): a splitmix64 stream
@@ -126,128 +100,6 @@ class DynamicIds:
             raise ValueError(f"DynamicIds.unadmitted must be one of {UNADMITTED}, got {self.unadmitted!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"DynamicIds.seed must be an int, got {self.seed!r}")
-
-
-class IdIndex:
-    """Exact map int64 id -> entry slot: linear probing over a power-of-two table, vectorised (one probe
-    distance per round for every pending key), at most half full counting tombstones. Every int64 is a key
-    (occupancy is a separate state array). The home slot is mix64(id ^ salt), so multiples of 2^32 or ids equal
-    in their low bits spread like any others; an insert displaced more than `max_probe` slots grows the table.
-
-    Per slot: key, state (0 empty, 1 live, 2 tombstone) and the payload `row` (-1: not admitted), `count`,
-    `last` (the step the id was last seen). `version` changes whenever slots move (rehash)."""
-
-    EMPTY, LIVE, TOMB = 0, 1, 2
-
-    def __init__(self, size: int = 1024, max_probe: int = 64):
-        self.max_probe = max_probe
-        self.version = 0
-        self._alloc(max(16, 1 << (int(size) - 1).bit_length()))
-
-    def _alloc(self, size: int) -> None:
-        self.size, self.mask = size, size - 1
-        self.keys = torch.zeros(size, dtype=torch.int64)
-        self.state = torch.zeros(size, dtype=torch.int8)
-        self.row = torch.full((size,), -1, dtype=torch.int64)
-        self.count = torch.zeros(size, dtype=torch.int64)
-        self.last = torch.zeros(size, dtype=torch.int64)
-        self.live = self.used = 0  # live slots; live + tombstones
-        self.max_disp = 0  # longest displacement of any key since the last rehash
-
-    def home(self, keys: torch.Tensor) -> torch.Tensor:
-        return mix64(keys ^ _HASH_SALT) & self.mask
-
-    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
-        """Slot of each key, -1 if absent. At most max_disp + 1 rounds."""
-        result = torch.full_like(keys, -1)
-        pending = torch.arange(keys.numel())
-        home = self.home(keys)
-        for dist in range(self.max_disp + 1):
-            if pending.numel() == 0:
-                break
-            pos = (home[pending] + dist) & self.mask
-            state = self.state[pos]
-            hit = (state == self.LIVE) & (self.keys[pos] == keys[pending])
-            result[pending[hit]] = pos[hit]
-            pending = pending[~(hit | (state == self.EMPTY))]
-        return result
-
-    def reserve(self, extra: int) -> None:
-        """Room for `extra` more keys without passing half full (tombstones count); rehash if not."""
-        if 2 * (self.used + extra) <= self.size:
-            return
-        size = self.size
-        while 4 * (self.live + extra) > size:
-            size *= 2
-        self._rehash(size)
-
-    def insert(self, keys: torch.Tensor) -> torch.Tensor:
-        """Insert distinct absent keys (payload row -1, count 0, last 0); returns their slots. May rehash."""
-        self.reserve(keys.numel())
-        while True:
-            slots = self._try_insert(keys)
-            if slots is not None:
-                return slots
-            self._rehash(self.size * 2)
-
-    def _try_insert(self, keys: torch.Tensor) -> torch.Tensor | None:
-        n = keys.numel()
-        slots = torch.full_like(keys, -1)
-        pending = torch.arange(n)
-        home = self.home(keys)
-        placed_all = []
-        for dist in range(self.max_probe):
-            if pending.numel() == 0:
-                break
-            pos = (home[pending] + dist) & self.mask
-            free = self.state[pos] != self.LIVE
-            cand, cpos = pending[free], pos[free]
-            if cand.numel():
-                # Several keys may reach one free slot in the same round: the lowest key position wins.
-                uniq_pos, inv = torch.unique(cpos, return_inverse=True)
-                winner = torch.full((uniq_pos.numel(),), n, dtype=torch.int64).scatter_reduce_(
-                    0, inv, cand, "amin")
-                won = cand == winner[inv]
-                wk, wp = cand[won], cpos[won]
-                self.used += int((self.state[wp] == self.EMPTY).sum())
-                self.keys[wp] = keys[wk]
-                self.state[wp] = self.LIVE
-                self.row[wp], self.count[wp], self.last[wp] = -1, 0, 0
-                slots[wk] = wp
-                placed_all.append(wk)
-                self.live += wk.numel()
-                self.max_disp = max(self.max_disp, dist)
-                done = torch.zeros(n, dtype=torch.bool)
-                done[wk] = True
-                pending = pending[~done[pending]]
-        if pending.numel():
-            # Undo this call's inserts (keys stay absent), the caller grows the table and retries.
-            placed = torch.cat(placed_all) if placed_all else pending[:0]
-            self.remove(slots[placed])
-            return None
-        return slots
-
-    def remove(self, slots: torch.Tensor) -> None:
-        if slots.numel() == 0:
-            return
-        self.state[slots] = self.TOMB
-        self.row[slots] = -1
-        self.live -= slots.numel()
-
-    def live_slots(self) -> torch.Tensor:
-        return torch.nonzero(self.state == self.LIVE).reshape(-1)
-
-    def _rehash(self, size: int) -> None:
-        live = self.live_slots()
-        keys, row, count, last = self.keys[live], self.row[live], self.count[live], self.last[live]
-        while True:
-            self._alloc(size)
-            slots = self._try_insert(keys)
-            if slots is not None:
-                break
-            size *= 2
-        self.row[slots], self.count[slots], self.last[slots] = row, count, last
-        self.version += 1
 
 
 _STAT_NAMES = ("ids_seen", "admitted", "rejected", "evicted", "expired", "unadmitted_lookups")
@@ -595,7 +447,7 @@ class DynamicEmbeddingBag(nn.Module):
     def flush(self) -> None:
         self.inner.flush()
 
-    def export_keyed(self) -> "KeyedEmbeddingBag":
+    def export_keyed(self) -> KeyedEmbeddingBag:
         """A plain keyed lookup (sorted ids + rows, searchsorted, F.embedding_bag) equal to this module's eval
         forward for every id, unknown ids included; traceable by torch.export. Copies the admitted rows."""
         self.inner.flush()
@@ -710,32 +562,3 @@ class DynamicEmbeddingBag(nn.Module):
 
     def extra_repr(self) -> str:
         return f"None, {self.embedding_dim}, mode={self.mode!r}, dynamic={self.config}, cache={self.inner.cache.capacity}"
-
-
-class KeyedEmbeddingBag(nn.Module):
-    """Raw int64 ids -> rows by binary search over sorted `ids`; unknown ids read row n (the unadmitted row),
-    the raw `padding_idx` reads row n + 1 (excluded from pooling, as nn.EmbeddingBag's padding_idx)."""
-
-    def __init__(self, ids: torch.Tensor, weight: torch.Tensor, mode: str, padding_idx: int | None,
-                 include_last_offset: bool = False):
-        super().__init__()
-        n = ids.numel()
-        # One trailing key so the search result can always be read back (it never counts as found: pos < n).
-        self.register_buffer("ids", torch.cat([ids, torch.zeros(1, dtype=torch.int64)]))
-        self.register_buffer("weight", weight)
-        self.n, self.mode, self.padding_idx = n, mode, padding_idx
-        self.include_last_offset = include_last_offset
-
-    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
-                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        raw = input.to(torch.int64)
-        pos = torch.searchsorted(self.ids[: self.n], raw)
-        found = (pos < self.n) & (self.ids[pos] == raw)
-        rows = torch.where(found, pos, self.n)
-        pad = None
-        if self.padding_idx is not None:
-            pad = self.n + 1
-            rows = torch.where(raw == self.padding_idx, pad, rows)
-        return nn.functional.embedding_bag(rows, self.weight, offsets, mode=self.mode,
-                                           per_sample_weights=per_sample_weights,
-                                           include_last_offset=self.include_last_offset, padding_idx=pad)
