@@ -1,9 +1,11 @@
 """cachedemb: nn.EmbeddingBag with the table in host memory behind a frequency-aware device cache."""
 from cachedemb import optim
+from cachedemb.checkpoint import load_checkpoint, save_checkpoint
 from cachedemb.dynamic import DynamicEmbeddingBag, DynamicIds
 from cachedemb.collection import CachedEmbeddingBagCollection, TableConfig
 from cachedemb.embedding_bag import CachedEmbeddingBag
 from cachedemb.prefetch import prefetch
 
-__all__ = ["CachedEmbeddingBag", "CachedEmbeddingBagCollection", "DynamicEmbeddingBag", "DynamicIds", "TableConfig", "optim", "prefetch"]
+__all__ = ["CachedEmbeddingBag", "CachedEmbeddingBagCollection", "DynamicEmbeddingBag", "DynamicIds", "TableConfig", "load_checkpoint", "optim",
+           "prefetch", "save_checkpoint"]
 __version__ = "0.1.0"

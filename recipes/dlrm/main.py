@@ -165,23 +165,26 @@ def build(args, preset: RunPreset, meta: dict, data_dir: Path):
 
 def save_checkpoint(path: Path, model, dense_opt, position: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_rng = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                 "has_gauss": int(has_gauss), "gauss": float(gauss)}  # plain state: loads with weights_only
     state = {"model": model.state_dict(), "dense_optimizer": dense_opt.state_dict(), "position": position,
-             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+             "rng": {"torch": torch.get_rng_state(), "numpy": numpy_rng, "python": random.getstate(),
                      "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    cachedemb.save_checkpoint(state, path)  # atomic and durable: a kill mid-save keeps the previous one
 
 
 def load_checkpoint(path: Path, model, dense_opt) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"--resume: {str(path)!r} not found; expected a checkpoint written with "
                                 "--checkpoint-every into --checkpoint-dir")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = cachedemb.load_checkpoint(path)  # torch.load(weights_only=True): unpickles no code
     model.load_state_dict(state["model"])
     dense_opt.load_state_dict(state["dense_optimizer"])
     torch.set_rng_state(state["rng"]["torch"])
-    np.random.set_state(state["rng"]["numpy"])
+    rng = state["rng"]["numpy"]
+    np.random.set_state((rng["kind"], rng["keys"].numpy().astype(np.uint32), rng["pos"], rng["has_gauss"],
+                         rng["gauss"]))
     random.setstate(state["rng"]["python"])
     if state["rng"]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
