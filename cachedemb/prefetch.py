@@ -222,9 +222,25 @@ class Prefetcher:
             if not self._read_one():
                 return
 
+    def _claim(self) -> None:
+        """Own the caches for this loop: two pipelines over one cache would each protect and admit their own
+        windows and evict the other's rows mid-window. Refused before either changes anything."""
+        for cache in self.caches or []:
+            owner = getattr(cache, "prefetch_owner", None)
+            if owner is not None and owner is not self:
+                self.refused = True
+                raise RuntimeError(
+                    "cachedemb.prefetch: this module's cache is already used by another prefetch loop that has "
+                    "not ended. Finish that loop, or close it (a loop left by `break` or an exception ends when "
+                    "its iterator is released; call `.close()` on an iterator you keep) before starting another.")
+        for cache in self.caches or []:
+            cache.prefetch_owner = self
+
     def __iter__(self) -> Iterator:
+        self.refused = False
         try:
             self._fill_horizon()
+            self._claim()
             while self.buffer:
                 number, batch, uniq = self.buffer[0]
                 if number >= self.window_end:
@@ -242,9 +258,14 @@ class Prefetcher:
                 self._read_one()
         finally:
             for cache in self.caches or []:
+                if getattr(cache, "prefetch_owner", None) not in (self, None):
+                    continue  # another loop's cache (this one was refused): leave its windows alone
                 cache.window_forwards_left = 0
-                cache.release_window()
-            self._notify("on_prefetch_end")
+                cache.release_window()  # also unprotects a window planned ahead (overlap), never activated
+                cache.prefetch_owner = None
+            self.pending = None
+            if not self.refused:
+                self._notify("on_prefetch_end")
 
     def _notify(self, hook: str) -> None:
         """Modules that act on the batches themselves (a sharded model, whose input all-to-all ran when a batch
