@@ -173,6 +173,7 @@ class DynamicEmbeddingBag(nn.Module):
         self.row_ids = torch.zeros(slab, dtype=torch.int64)  # raw id of each slab row (any int64: no sentinel)
         self.row_slot = torch.full((slab,), -1, dtype=torch.int64)  # its index slot; -1: no admitted id
         self.row_step = torch.zeros(slab, dtype=torch.int64)  # the last training step whose batch reads the row
+        self.row_used = torch.zeros(slab, dtype=torch.bool)  # handed out before (its cache copy may exist)
         self._row_slot_version = self.index.version
         self.free_rows = torch.arange(slab - 1, -1, -1, dtype=torch.int64)  # a stack: the top is free_rows[n-1]
         self.n_free = slab
@@ -192,14 +193,15 @@ class DynamicEmbeddingBag(nn.Module):
     def cache(self) -> EmbeddingCache:
         return self.inner.cache
 
-    def _write_rows(self, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Host rows get `values` and the optimizer's initial state; resident cache copies are overwritten."""
+    def _write_rows(self, rows: torch.Tensor, values: torch.Tensor, maybe_cached: torch.Tensor | None = None) -> None:
+        """Host rows get `values` and the optimizer's initial state; resident cache copies are overwritten
+        (only rows in `maybe_cached`, when given: a row never handed out was never looked up, so never cached)."""
         cache = self.cache
         cache.host_weight[rows] = values.to(cache.dtype)
         for name, state in cache.host_states.items():
             state[rows] = self._state_init[name]
         cache.host_freq[rows] = 0
-        cache.reread_rows(rows)
+        cache.reread_rows(rows if maybe_cached is None else rows[maybe_cached])
 
     def _zero_unadmitted(self) -> None:
         if self.config.unadmitted == "zero" and self._reset_unadmitted:
@@ -324,7 +326,9 @@ class DynamicEmbeddingBag(nn.Module):
             index.row[slots[take]] = rows
             self.row_ids[rows] = uniq[take]
             self.row_slot[rows] = slots[take]
-            self._write_rows(rows, initial_rows(cfg.seed, uniq[take], self.embedding_dim))
+            used = self.row_used[rows]
+            self.row_used[rows] = True
+            self._write_rows(rows, initial_rows(cfg.seed, uniq[take], self.embedding_dim), maybe_cached=used)
             self.stats["admitted"] += k
             rows_u[take] = rows
         self.row_step[rows_u[rows_u >= 0]] = self.step
@@ -535,6 +539,7 @@ class DynamicEmbeddingBag(nn.Module):
         self.free_rows = torch.cat([self.free_rows, torch.zeros(n, dtype=torch.int64)])
         self.n_free, self.admitted = slab - n, n
         self.row_step.zero_()
+        self.row_used.fill_(True)  # rows of the module before the load may still be cached
         self.held_rows, self.held_until = self.held_rows[:0], self.held_until[:0]
         self.ahead.clear()
         cache.host_weight[:n] = weight
