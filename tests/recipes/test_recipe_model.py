@@ -44,6 +44,8 @@ def _first_losses(data_dir, tmp_path, preset: str, steps: int, extra: list[str])
     args = dlrm_main.parse_args(["--data", preset, "--data-dir", str(data_dir), "--device", "cpu", "--quiet",
                                  "--log-every", "1", "--limit-batches", str(steps)] + extra)
     args.log_dir = str(tmp_path / preset)
+    if hasattr(dlrm_main, "init_distributed"):  # the torchrun-aware recipe: a single process joins no job
+        dlrm_main.init_distributed(args)
     model, dense_opt = dlrm_main.build(args, args.preset, load_metadata(data_dir), data_dir)
     logger = dlrm_main.Logger(args.log_dir)
     try:
