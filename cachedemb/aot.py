@@ -222,6 +222,7 @@ class LaunchRecorder:
 WORKLOAD_DIMS = (7, 129)  # one D-block below 128, one past it (neither divisible by 16)
 WORKLOAD_MODES = ("sum", "mean", "max")
 WORKLOAD_OPTIMIZERS = (None, "SGD", "Adagrad", "RowWiseAdagrad", "Adam")
+HOT_LOOKUPS = 260  # a last batch of >= 256 lookups per module: the GPU backward's chunked variants
 
 
 def library_workload(device="cpu", dims=WORKLOAD_DIMS, dtypes=("float32", "bfloat16", "float16"), rows: int = 48,
@@ -229,7 +230,8 @@ def library_workload(device="cpu", dims=WORKLOAD_DIMS, dtypes=("float32", "bfloa
                      seed: int = 0) -> None:
     """Drive every launch path of the library: a forward + backward for each (mode, optimizer) pair
     (optimizer=None leaves the id-space gradient of `weight`), cycling the table dtype, the dim, per-sample
-    weights (sum) and padding_idx so each meets every mode; `steps` batches each, with more distinct ids than
+    weights (sum) and padding_idx so each meets every mode; `steps` batches each (the last with HOT_LOOKUPS
+    more lookups of one id), with more distinct ids than
     the cache holds (evictions, rows served beyond the cache); the prefetch pipeline in order and overlapped; and
     `kernels.sparse_update`, a public op the module does not call. On CPU it needs TRITON_INTERPRET=1 and
     CACHEDEMB_BACKEND=triton set before triton is imported."""
@@ -243,9 +245,13 @@ def library_workload(device="cpu", dims=WORKLOAD_DIMS, dtypes=("float32", "bfloa
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
 
-    def batch():
+    def batch(hot: int = 0):
+        """`hot` more lookups of one id in a last bag: from 256 lookups on, the GPU backward launches its
+        chunked variants (a hot id's long group split, see kernels/bag_backward.py)."""
         ids = torch.randint(0, rows, (bags * bag_len,), generator=gen)
-        return ids.to(device), (torch.arange(bags) * bag_len).to(device)
+        ids = torch.cat([ids, torch.full((hot,), int(ids[0]))])
+        offsets = torch.arange(bags + (hot > 0)) * bag_len
+        return ids.to(device), offsets.to(device)
 
     def step(emb, ids, offsets, psw=None):
         emb(ids, offsets, per_sample_weights=psw).float().square().sum().backward()
@@ -255,8 +261,8 @@ def library_workload(device="cpu", dims=WORKLOAD_DIMS, dtypes=("float32", "bfloa
         spec = getattr(optim, opt)(lr=0.01) if opt else None
         emb = cachedemb.CachedEmbeddingBag(rows, dim, mode=mode, cache_rows=cache_rows, device=device,
                                            dtype=dtype, optimizer=spec, padding_idx=3 if i % 3 else None)
-        for _ in range(steps):
-            ids, offsets = batch()
+        for s in range(steps):
+            ids, offsets = batch(hot=HOT_LOOKUPS if s == steps - 1 else 0)
             psw = None
             if mode == "sum" and i % 2 == 0:
                 psw = torch.rand(ids.numel(), generator=gen).to(device=device, dtype=dtype).requires_grad_(i % 4 == 0)
@@ -277,6 +283,9 @@ def library_workload(device="cpu", dims=WORKLOAD_DIMS, dtypes=("float32", "bfloa
         loc_u = torch.randperm(rows, generator=gen)[:n].to(device)
         grad_u = torch.randn(n, dim, generator=gen).to(device)
         kernels.sparse_update(table, states, loc_u, grad_u, torch.tensor([n - 2], device=device), rule)
+    keys = torch.arange(0, 2 * rows, 2, device=device)
+    kernels.slot_lookup(keys, torch.arange(rows, device=device), torch.arange(n, device=device),
+                        torch.tensor([n - 1], device=device))
 
 
 def launched_kernels(package: str = "cachedemb.kernels") -> set[str]:

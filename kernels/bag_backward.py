@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import backend_for, gpu_shapes, on_device
+from .dispatch import backend_for, gpu_shapes, on_device, persistent_programs
 from .pooled_forward import MODE_MAX, MODE_MEAN, MODE_SUM, acc_dtype, lookup_rows_of, tl_acc_dtype, with_host_rows
 
 
@@ -97,6 +97,8 @@ def _unique_grad_torch(grad_out, inverse, offsets, mode: int, per_sample_weights
         return grad_u[:n]
     perm, ptr = lookup_groups(inverse)
     n = int((ptr[1:] > ptr[:-1]).sum())
+    if n == 0:  # every lookup is padding: embedding_bag with no offsets but lookups writes out of bounds
+        return grad_out.new_zeros(0, grad_out.shape[1], dtype=acc_dtype(grad_out.dtype))
     n_lookups = inverse.numel()
     bag = bag_of_lookup(offsets, n_lookups)[perm]
     acc = acc_dtype(grad_out.dtype)
@@ -108,7 +110,8 @@ def _unique_grad_torch(grad_out, inverse, offsets, mode: int, per_sample_weights
 
 def lookup_groups(inverse: torch.Tensor):
     """Lookups grouped by unique position, without a host sync: `perm [B]` (a stable sort, so lookup order
-    within a group) and `ptr [B + 1]` (group j is perm[ptr[j]:ptr[j+1]]); padding lookups fall in no group."""
+    within a group) and `ptr [B + 1]` (group j is perm[ptr[j]:ptr[j+1]]); padding lookups fall in no group.
+    `unique_ids(..., return_groups=True)` gives the same pair from the sort it already did."""
     n_lookups = inverse.numel()
     key = torch.where(inverse >= 0, inverse, torch.full_like(inverse, n_lookups))
     sorted_key, perm = torch.sort(key, stable=True)
@@ -122,6 +125,13 @@ def backward_block_l(device: torch.device) -> int:
     return 16 if gpu_shapes(device) else 1
 
 
+def backward_chunk(device: torch.device) -> int | None:
+    """Lookups one program reduces at most for one id; a longer segment (a hot id: 10^5 lookups in a batch) is
+    split into chunks reduced by separate programs into partial sums, added in chunk order (as FBGEMM splits
+    long segments). None on CPU: no split keeps the reference's sequential fp32 order."""
+    return 512 if gpu_shapes(device) else None
+
+
 def backward_warps(block_l: int, block_d: int) -> int:
     """Warps for a [block_l, block_d] gradient tile: with four warps, 16 x 128 and 16 x 64 tiles left a few bytes
     of register spill in row-wise and max-mode Adagrad (sm_80/sm_90, triton 3.6 and 3.7); eight do not."""
@@ -131,13 +141,37 @@ def backward_warps(block_l: int, block_d: int) -> int:
     return 8 if tile >= 1024 else 4 if tile >= 512 else 1
 
 
+def backward_launch(block_l: int, block_d: int) -> dict:
+    """Launch options of the backward kernels: backward_warps, and for tiles (GPU) a 64-register cap: left to
+    itself ptxas held the persistent loops at 40 registers and spilled loop invariants (sm_80 / sm_90); capped,
+    it uses up to 64 without spilling, and 4 programs of 8 warps still fit an SM (persistent_programs). The
+    16 x 128 tiles of bag_backward (no update) need 128."""
+    options = {"num_warps": backward_warps(block_l, block_d)}
+    if block_l > 1:
+        options["maxnreg"] = 64 if block_l * block_d <= 1024 else 128
+    return options
+
+
+@triton.jit
+def kahan_add(b_g, b_c, b_x, BLOCK_L: tl.constexpr):
+    """(sum, compensation) after adding the [BLOCK_L, BLOCK_D] tile b_x: BLOCK_L == 1 adds in sequential order
+    (the reference's); tiles are tree-reduced and accumulated with Kahan compensation, so a hot id's many
+    lookups do not lose precision to one long running sum."""
+    if BLOCK_L > 1:
+        b_y = tl.sum(b_x, axis=0) - b_c
+        b_t = b_g + b_y
+        b_c = (b_t - b_g) - b_y
+        b_g = b_t
+    else:
+        b_g += tl.sum(b_x, axis=0)
+    return b_g, b_c
+
+
 @triton.jit
 def segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D,
                  MODE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
-    """ACC (fp32, or fp64 for an fp64 grad_out) gradient [BLOCK_D] of one unique id: the sum over its lookups
-    perm[bos:eos] (lookup order). BLOCK_L == 1 (CPU) adds in the reference's sequential order; tiles (GPU) are
-    tree-reduced and accumulated with Kahan compensation, so a hot id's 10^5 lookups do not lose precision to
-    one long running sum."""
+    """ACC (fp32, or fp64 for an fp64 grad_out) gradient [BLOCK_D] of lookups perm[bos:eos] (one id's, lookup
+    order), accumulated by kahan_add."""
     b_g = tl.zeros([BLOCK_D], dtype=ACC)
     b_c = tl.zeros([BLOCK_D], dtype=ACC)
     for k in range(bos, eos, BLOCK_L):
@@ -154,14 +188,98 @@ def segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D,
             b_go = tl.where(b_mp == b_i[:, None], b_go, 0.0)
         else:
             b_go = b_go * tl.load(scale + b_i, mask=m_k, other=0.0).to(ACC)[:, None]
-        if BLOCK_L > 1:
-            b_y = tl.sum(b_go, axis=0) - b_c
-            b_t = b_g + b_y
-            b_c = (b_t - b_g) - b_y
-            b_g = b_t
-        else:
-            b_g += tl.sum(b_go, axis=0)
+        b_g, b_c = kahan_add(b_g, b_c, b_go, BLOCK_L)
     return b_g
+
+
+@triton.jit
+def unique_grad(grad_out, perm, ptr, cptr, partial, bag, scale, max_pos, i_u, o_d, m_d, D,
+                MODE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+                CHUNKED: tl.constexpr):
+    """Gradient [BLOCK_D] of unique position i_u: its lookups reduced here, or (CHUNKED, a long segment) the
+    partial sums of its chunks partial[cptr[i_u]:cptr[i_u+1]] added in chunk order: a fixed order, so the
+    result is the same bits on every run."""
+    bos, eos = tl.load(ptr + i_u), tl.load(ptr + i_u + 1)
+    if CHUNKED:
+        c0, c1 = tl.load(cptr + i_u), tl.load(cptr + i_u + 1)
+        if c1 > c0:
+            b_g = tl.zeros([BLOCK_D], dtype=ACC)
+            b_c = tl.zeros([BLOCK_D], dtype=ACC)
+            for k in range(c0, c1, BLOCK_L):
+                o_k = k + tl.arange(0, BLOCK_L).to(tl.int64)
+                m_t = (o_k < c1)[:, None] & m_d[None, :]
+                b_p = tl.load(partial + o_k[:, None] * D + o_d[None, :], mask=m_t, other=0.0)
+                b_g, b_c = kahan_add(b_g, b_c, b_p, BLOCK_L)
+        else:
+            b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, MODE, BLOCK_L, BLOCK_D,
+                               ACC)
+    else:
+        b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, MODE, BLOCK_L, BLOCK_D, ACC)
+    return b_g
+
+
+@triton.jit
+def segment_partials_kernel(
+    grad_out,  # [n_bags, D]
+    perm,  # [B] int64 lookups sorted by unique position
+    ptr,  # [B + 1] int64 group starts
+    cptr,  # [G + 1] int64 chunk starts of each group (equal for an unsplit group); cptr[G]: the chunk count
+    chunk_seg,  # [K] int64 group of each chunk
+    bag,  # [B] int64 bag of each lookup
+    scale,  # [B] ACC (sum / mean)
+    max_pos,  # [n_bags, D] int64 (max)
+    partial,  # [K, D] ACC out: each chunk's sum
+    G,  # groups (unique positions)
+    D,
+    CHUNK: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """Phase 1 of a split segment: chunk k of group j = chunk_seg[k] is lookups CHUNK * (k - cptr[j]) onwards
+    of the group; persistent programs loop over the chunks up to the device-side count cptr[G]."""
+    i_p, i_d = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
+    m_d = o_d < D
+    k = i_p.to(tl.int64)
+    while k < tl.load(cptr + G):  # re-read per round: a bound held across the body spilled (sm_80)
+        j = tl.load(chunk_seg + k)
+        bos = tl.load(ptr + j) + (k - tl.load(cptr + j)) * CHUNK
+        eos = tl.minimum(bos + CHUNK, tl.load(ptr + j + 1))
+        b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, MODE, BLOCK_L, BLOCK_D, ACC)
+        tl.store(partial + k * D + o_d, b_g, mask=m_d)
+        k += tl.num_programs(0)
+
+
+def segment_chunks(ptr: torch.Tensor, n_lookups: int, chunk: int):
+    """The split of long groups (more than `chunk` lookups) of `ptr [G + 1]` over n_lookups lookups, on the
+    device: `cptr [G + 1]` (group j's chunks are cptr[j]:cptr[j+1], none for a short group; cptr[G] counts them)
+    and `chunk_seg [K]` (each chunk's group; K = 2 * n_lookups // chunk bounds the count statically, as a long
+    group has < 2 * len / chunk chunks)."""
+    lengths = ptr[1:] - ptr[:-1]
+    n_chunks = torch.where(lengths > chunk, (lengths + chunk - 1) // chunk, 0)
+    cptr = torch.cat([n_chunks.new_zeros(1), torch.cumsum(n_chunks, 0)])
+    bound = 2 * n_lookups // chunk
+    chunk_seg = torch.searchsorted(cptr, torch.arange(bound, device=ptr.device), right=True) - 1
+    return cptr, chunk_seg
+
+
+def chunk_partials(grad_out, perm, ptr, bag, scale, max_pos, mode, chunk, block_l, block_d):
+    """Phase 1 (see segment_partials_kernel): (cptr, partial [K, D]) for unique_grad, or None when no group can
+    be long (chunk None, or fewer than `chunk` lookups in all)."""
+    n_lookups, dim = perm.numel(), grad_out.shape[1]
+    if chunk is None or 2 * n_lookups // chunk == 0:
+        return None
+    cptr, chunk_seg = segment_chunks(ptr, n_lookups, chunk)
+    partial = torch.empty(chunk_seg.numel(), dim, dtype=acc_dtype(grad_out.dtype), device=grad_out.device)
+    grid = (persistent_programs(grad_out.device, chunk_seg.numel()), triton.cdiv(dim, block_d))
+    with on_device(grad_out):
+        segment_partials_kernel[grid](grad_out, perm, ptr, cptr, chunk_seg, bag, scale, max_pos, partial,
+                                      ptr.numel() - 1, dim, CHUNK=chunk, MODE=mode,
+                                      BLOCK_L=block_l, BLOCK_D=block_d, ACC=tl_acc_dtype(grad_out.dtype),
+                                      **backward_launch(block_l, block_d))
+    return cptr, partial
 
 
 @triton.jit
@@ -169,36 +287,44 @@ def bag_backward_kernel(
     grad_out,  # [n_bags, D]
     perm,  # [B] int64 lookups sorted by unique position
     ptr,  # [B + 1] int64 group starts
+    cptr,  # [B + 1] int64 chunk starts of each group (CHUNKED only)
+    partial,  # [K, D] ACC partial sums of the chunks (CHUNKED only)
     bag,  # [B] int64 bag of each lookup
     scale,  # [B] ACC factor on grad_out[bag] per lookup (sum / mean)
     max_pos,  # [n_bags, D] int64 (max mode)
     gscale,  # [U] factor on each unique id's summed gradient (HAS_GSCALE only)
-    grad_u,  # [B, D] ACC
+    grad_u,  # [n_rows, D] ACC
+    n_rows,
     D,
     MODE: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ACC: tl.constexpr,
     HAS_GSCALE: tl.constexpr,
+    CHUNKED: tl.constexpr,
 ):
-    i_u, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    """Persistent programs over the unique positions: every output row is written (0 past the unique count)."""
+    i_p, i_d = tl.program_id(0), tl.program_id(1).to(tl.int64)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
     m_d = o_d < D
-    bos, eos = tl.load(ptr + i_u), tl.load(ptr + i_u + 1)
-    b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, MODE, BLOCK_L, BLOCK_D, ACC)
-    if HAS_GSCALE:
-        # positions without lookups (past the unique count) keep their 0 and never read their factor
-        b_g = b_g * tl.load(gscale + i_u, mask=eos > bos, other=1.0).to(ACC)
-    tl.store(grad_u + i_u * D + o_d, b_g, mask=m_d)
+    for i in range(i_p, n_rows, tl.num_programs(0)):
+        i_u = tl.cast(i, tl.int64)
+        b_g = unique_grad(grad_out, perm, ptr, cptr, partial, bag, scale, max_pos, i_u, o_d, m_d, D, MODE, BLOCK_L,
+                          BLOCK_D, ACC, CHUNKED)
+        if HAS_GSCALE:
+            # positions without lookups (past the unique count) keep their 0 and never read their factor
+            live = tl.load(ptr + i_u + 1) > tl.load(ptr + i_u)
+            b_g = b_g * tl.load(gscale + i_u, mask=live, other=1.0).to(ACC)
+        tl.store(grad_u + i_u * D + o_d, b_g, mask=m_d)
 
 
-def backward_inputs(grad_out, inverse, offsets, mode: int, per_sample_weights, max_pos):
+def backward_inputs(grad_out, inverse, offsets, mode: int, per_sample_weights, max_pos, groups=None):
     """What the segment-reduction kernels read besides grad_out: (perm, ptr, bag, scale, max_pos); scale is in
-    acc_dtype(grad_out.dtype)."""
+    acc_dtype(grad_out.dtype). `groups` (perm, ptr) from unique_ids' sort, else sorted here."""
     n_lookups = inverse.numel()
     if mode == MODE_MAX and max_pos is None:
         raise ValueError("max mode needs max_pos from the forward")
-    perm, ptr = lookup_groups(inverse)
+    perm, ptr = groups if groups is not None else lookup_groups(inverse)
     bag = bag_of_lookup(offsets, n_lookups)
     acc = acc_dtype(grad_out.dtype)
     scale = lookup_scale(inverse, offsets, mode, per_sample_weights, acc) if mode != MODE_MAX else inverse
@@ -206,43 +332,50 @@ def backward_inputs(grad_out, inverse, offsets, mode: int, per_sample_weights, m
 
 
 def _bag_backward_triton(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, block_l=None,
-                         n_rows=None, grad_scale_u=None):
+                         n_rows=None, grad_scale_u=None, groups=None, chunk="auto"):
     n_lookups, dim = inverse.numel(), grad_out.shape[1]
     n_rows = n_lookups if n_rows is None else n_rows
     grad_u = torch.empty(n_rows, dim, dtype=acc_dtype(grad_out.dtype), device=grad_out.device)
     if n_rows == 0 or n_lookups == 0:
         return grad_u.zero_()
     grad_out = grad_out.contiguous()
-    perm, ptr, bag, scale, max_pos = backward_inputs(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
+    perm, ptr, bag, scale, max_pos = backward_inputs(grad_out, inverse, offsets, mode, per_sample_weights, max_pos,
+                                                     groups)
+    max_pos = max_pos.contiguous()
     has_gscale = grad_scale_u is not None
     block_l = block_l or backward_block_l(grad_out.device)
     block_d = min(triton.next_power_of_2(dim), 128)
-    grid = (n_rows, triton.cdiv(dim, block_d))
+    chunk = backward_chunk(grad_out.device) if chunk == "auto" else chunk
+    split = chunk_partials(grad_out, perm, ptr, bag, scale, max_pos, mode, chunk, block_l, block_d)
+    cptr, partial = split if split is not None else (ptr, grad_u)
+    grid = (persistent_programs(grad_out.device, n_rows), triton.cdiv(dim, block_d))
     with on_device(grad_out):
-        bag_backward_kernel[grid](grad_out, perm, ptr, bag, scale, max_pos.contiguous(),
-                                  grad_scale_u.contiguous() if has_gscale else scale, grad_u, dim,
+        bag_backward_kernel[grid](grad_out, perm, ptr, cptr, partial, bag, scale, max_pos,
+                                  grad_scale_u.contiguous() if has_gscale else scale, grad_u, n_rows, dim,
                                   MODE=mode, BLOCK_L=block_l, BLOCK_D=block_d, ACC=tl_acc_dtype(grad_out.dtype),
-                                  HAS_GSCALE=has_gscale, num_warps=backward_warps(block_l, block_d))
+                                  HAS_GSCALE=has_gscale, CHUNKED=split is not None,
+                                  **backward_launch(block_l, block_d))
     return grad_u
 
 
 def bag_backward_triton(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None,
-                        n_rows=None, grad_scale_u=None):
-    """Triton path of bag_backward: one program per (unique position, D-block) sums its lookups' gradients
-    (grouped by a sort, no atomics) and scales the sum by grad_scale_u[j] when given; positions past the unique
-    count have no lookups and get 0. `n_rows` (the unique count, when known) bounds the output to [n_rows, D]
-    instead of [lookups, D]."""
+                        n_rows=None, grad_scale_u=None, groups=None):
+    """Triton path of bag_backward: persistent programs (a grid sized by the machine) loop over the unique
+    positions; each sums its lookups' gradients (grouped by a sort, no atomics; a hot id's long group in
+    chunks, see segment_partials_kernel) and scales the sum by grad_scale_u[j] when given; positions past the
+    unique count have no lookups and get 0. `n_rows` (the unique count, when known) bounds the output to
+    [n_rows, D] instead of [lookups, D]; `groups` (perm, ptr) reuses unique_ids' sort."""
     return _bag_backward_triton(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, n_rows=n_rows,
-                                grad_scale_u=grad_scale_u)
+                                grad_scale_u=grad_scale_u, groups=groups)
 
 
 def bag_backward(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None, n_rows=None,
-                 grad_scale_u=None):
+                 grad_scale_u=None, groups=None):
     """grad_u [n_rows or B, D] in acc_dtype(grad_out.dtype) (see module docstring). A grad_out batched by vmap
     (torch.func / gradcheck's batched-gradient check) takes the reference, made of vmap-able torch ops."""
     if backend_for(grad_out.device) == "triton" and not torch._C._functorch.is_batchedtensor(grad_out):
         return bag_backward_triton(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, n_rows,
-                                   grad_scale_u)
+                                   grad_scale_u, groups)
     grad_u = bag_backward_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, grad_scale_u)
     return grad_u if n_rows is None else grad_u[:n_rows]
 

@@ -6,6 +6,7 @@ on CPU tensors needs `TRITON_INTERPRET=1` set before triton is first imported.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -59,3 +60,22 @@ def soft_rtne(device: torch.device) -> bool:
     """Round fp32 -> bf16 to nearest-even in integer ops: needed where Triton's CPU interpreter truncates that
     cast; a GPU rounds by itself (and the AOT check records the GPU's variant)."""
     return device.type == "cpu" and not gpu_shapes(device)
+
+
+def persistent_programs(device: torch.device, bound: int) -> int:
+    """Grid of the persistent kernels: programs loop over work items up to a count read on the device, so the
+    grid is sized by the machine (4 programs per SM on CUDA), not by the capacity of the buffers, and a step
+    with fixed shapes launches the same grids every time (CUDA-graph capturable); never more programs than
+    `bound` items. CPU (the interpreter runs programs one after another): 8."""
+    if device.type == "cuda":
+        programs = 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    elif gpu_shapes(device):
+        programs = 4 * 132  # H100's SMs: what the AOT recording launches
+    else:
+        programs = 8
+    return max(1, min(bound, programs))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -17,7 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .bag_backward import unique_grad_torch, backward_block_l, backward_warps, backward_inputs, segment_grad
+from .bag_backward import (
+    backward_block_l,
+    backward_chunk,
+    backward_inputs,
+    backward_launch,
+    chunk_partials,
+    persistent_programs,
+    unique_grad,
+    unique_grad_torch,
+)
 from .dispatch import backend_for, on_device, soft_rtne
 from .pooled_forward import (
     HOST_LOC,
@@ -189,26 +198,28 @@ def sparse_update_kernel(
     BLOCK_D: tl.constexpr,
     ACC: tl.constexpr,  # update math: fp32, fp64 for an fp64 table
 ):
-    i_u = tl.program_id(0).to(tl.int64)
-    if i_u >= tl.load(n_uniq):
-        return
+    # persistent programs over the live unique ids, up to the count read on the device
     neg_lr, eps, c1, c2, neg_step = rule_scalars(neg_lr, eps, c1, c2, neg_step, neg_lr_64, eps_64, c1_64, c2_64,
                                                  neg_step_64, ACC)
-    i_r = tl.load(loc_u + i_u).to(tl.int64)
-    b_den = 0.0
-    if RULE == 2:
-        b_old = tl.load(s0 + i_r)
-        b_sq = tl.full([], 0.0, dtype=ACC)
+    i_u = tl.program_id(0).to(tl.int64)
+    while i_u < tl.load(n_uniq):  # re-read per round: a bound held across the body spilled (sm_80/sm_90)
+        i_r = tl.load(loc_u + i_u).to(tl.int64)
+        b_den = 0.0
+        if RULE == 2:
+            b_old = tl.load(s0 + i_r)
+            b_sq = tl.full([], 0.0, dtype=ACC)
+            for i_d in range(0, tl.cdiv(D, BLOCK_D)):
+                o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
+                b_g = tl.load(grad_u + i_u * D + o_d, mask=o_d < D, other=0.0).to(ACC)
+                b_sq += tl.sum(b_g * b_g)
+            b_den = rowwise_denominator(s0, i_r, b_old, b_sq, D, eps, ACC)
         for i_d in range(0, tl.cdiv(D, BLOCK_D)):
             o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
-            b_g = tl.load(grad_u + i_u * D + o_d, mask=o_d < D, other=0.0).to(ACC)
-            b_sq += tl.sum(b_g * b_g)
-        b_den = rowwise_denominator(s0, i_r, b_old, b_sq, D, eps, ACC)
-    for i_d in range(0, tl.cdiv(D, BLOCK_D)):
-        o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
-        m_d = o_d < D
-        b_g = tl.load(grad_u + i_u * D + o_d, mask=m_d, other=0.0).to(ACC)
-        apply_rule(rows, s0, s1, i_r, o_d, m_d, D, b_g, b_den, neg_lr, eps, c1, c2, neg_step, RULE, SOFT_RTNE, ACC)
+            m_d = o_d < D
+            b_g = tl.load(grad_u + i_u * D + o_d, mask=m_d, other=0.0).to(ACC)
+            apply_rule(rows, s0, s1, i_r, o_d, m_d, D, b_g, b_den, neg_lr, eps, c1, c2, neg_step, RULE, SOFT_RTNE,
+                       ACC)
+        i_u += tl.num_programs(0)
 
 
 @triton.jit(do_not_specialize=SCALAR_ARGS)
@@ -224,6 +235,8 @@ def backward_update_kernel(
     grad_out,  # [n_bags, D]
     perm,  # [B] int64 lookups sorted by unique position
     ptr,  # [B + 1] int64 group starts
+    cptr,  # [B + 1] int64 chunk starts of each group (CHUNKED only)
+    partial,  # [K, D] GACC partial sums of the chunks of long groups (CHUNKED only)
     bag,  # [B] int64 bag of each lookup
     scale,  # [B] GACC (sum / mean)
     max_pos,  # [n_bags, D] int64 (max)
@@ -239,45 +252,46 @@ def backward_update_kernel(
     GACC: tl.constexpr,  # gradient reduction: acc_dtype(grad_out.dtype)
     ACC: tl.constexpr,  # update math: acc_dtype(rows.dtype)
     HAS_GSCALE: tl.constexpr,
+    CHUNKED: tl.constexpr,  # long groups were reduced into `partial` first (chunk_partials)
 ):
-    i_u = tl.program_id(0).to(tl.int64)
-    if i_u >= tl.load(n_uniq):
-        return
+    # persistent programs over the live unique ids, up to the count read on the device
     neg_lr, eps, c1, c2, neg_step = rule_scalars(neg_lr, eps, c1, c2, neg_step, neg_lr_64, eps_64, c1_64, c2_64,
                                                  neg_step_64, ACC)
-    i_r = tl.load(loc_u + i_u).to(tl.int64)
-    p_rows, p_s0, p_s1 = rows, s0, s1
-    if i_r <= -2:
-        p_rows, p_s0, p_s1 = host_rows, h0, h1
-        i_r = -2 - i_r
-    bos, eos = tl.load(ptr + i_u), tl.load(ptr + i_u + 1)
-    b_gs = 1.0
-    if HAS_GSCALE:  # read once up front: read per D-block (after each reduction), max-mode Adam spilled on sm_90
-        b_gs = tl.load(gscale + i_u).to(GACC)
-    b_den = 0.0
-    if RULE == 2:
-        b_old = tl.load(p_s0 + i_r)
-        # the row's mean of g^2 comes first: reduce every D-block once (summed across blocks element-wise, then
-        # across the lanes), then again to update
-        b_sq = tl.zeros([BLOCK_D], dtype=ACC)
+    i_u = tl.program_id(0).to(tl.int64)
+    while i_u < tl.load(n_uniq):  # re-read per round: a bound held across the body spilled (sm_80/sm_90)
+        i_r = tl.load(loc_u + i_u).to(tl.int64)
+        p_rows, p_s0, p_s1 = rows, s0, s1
+        if i_r <= -2:
+            p_rows, p_s0, p_s1 = host_rows, h0, h1
+            i_r = -2 - i_r
+        b_gs = 1.0
+        if HAS_GSCALE:  # read once up front: read per D-block (after each reduction), max-mode Adam spilled
+            b_gs = tl.load(gscale + i_u).to(GACC)
+        b_den = 0.0
+        if RULE == 2:
+            b_old = tl.load(p_s0 + i_r)
+            # the row's mean of g^2 comes first: reduce every D-block once (summed across blocks element-wise,
+            # then across the lanes), then again to update
+            b_sq = tl.zeros([BLOCK_D], dtype=ACC)
+            for i_d in range(0, tl.cdiv(D, BLOCK_D)):
+                o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
+                b_g = unique_grad(grad_out, perm, ptr, cptr, partial, bag, scale, max_pos, i_u, o_d, o_d < D, D,
+                                  MODE, BLOCK_L, BLOCK_D, GACC, CHUNKED)
+                if HAS_GSCALE:
+                    b_g = b_g * b_gs
+                b_g = b_g.to(ACC)
+                b_sq += b_g * b_g
+            b_den = rowwise_denominator(p_s0, i_r, b_old, tl.sum(b_sq), D, eps, ACC)
         for i_d in range(0, tl.cdiv(D, BLOCK_D)):
             o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
-            b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, o_d < D, D,
-                               MODE, BLOCK_L, BLOCK_D, GACC)
+            m_d = o_d < D
+            b_g = unique_grad(grad_out, perm, ptr, cptr, partial, bag, scale, max_pos, i_u, o_d, m_d, D, MODE,
+                              BLOCK_L, BLOCK_D, GACC, CHUNKED)
             if HAS_GSCALE:
                 b_g = b_g * b_gs
-            b_g = b_g.to(ACC)
-            b_sq += b_g * b_g
-        b_den = rowwise_denominator(p_s0, i_r, b_old, tl.sum(b_sq), D, eps, ACC)
-    for i_d in range(0, tl.cdiv(D, BLOCK_D)):
-        o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
-        m_d = o_d < D
-        b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, MODE, BLOCK_L, BLOCK_D,
-                           GACC)
-        if HAS_GSCALE:
-            b_g = b_g * b_gs
-        apply_rule(p_rows, p_s0, p_s1, i_r, o_d, m_d, D, b_g.to(ACC), b_den, neg_lr, eps, c1, c2, neg_step, RULE,
-                   SOFT_RTNE, ACC)
+            apply_rule(p_rows, p_s0, p_s1, i_r, o_d, m_d, D, b_g.to(ACC), b_den, neg_lr, eps, c1, c2, neg_step,
+                       RULE, SOFT_RTNE, ACC)
+        i_u += tl.num_programs(0)
 
 
 def _rule_args(rows, states, rule: UpdateRule):
@@ -309,14 +323,15 @@ def _update_block_d(dim: int, block_l: int = 1) -> int:
 
 
 def sparse_update_triton(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
-    """Triton path of sparse_update: one program per unique position (grid = capacity); those past n_uniq exit."""
+    """Triton path of sparse_update: persistent programs (grid sized by the machine) loop over the unique
+    positions up to n_uniq, read on the device."""
     capacity, dim = loc_u.numel(), rows.shape[1]
     if capacity == 0:
         return
     s0, s1 = _rule_args(rows, states, rule)
     block_d = _update_block_d(dim)
     with on_device(rows):
-        sparse_update_kernel[(capacity,)](
+        sparse_update_kernel[(persistent_programs(rows.device, capacity),)](
             rows, s0, s1, loc_u.contiguous(), grad_u.contiguous(), n_uniq.reshape(1), dim, *_scalars(rule),
             RULE=RULE_IDS[rule.kind], SOFT_RTNE=soft_rtne(rows.device), BLOCK_D=block_d,
             ACC=tl_acc_dtype(rows.dtype), num_warps=max(1, min(4, block_d // 128)),
@@ -324,7 +339,8 @@ def sparse_update_triton(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
 
 
 def _backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode, per_sample_weights,
-                            max_pos, rule, block_l=None, host_rows=None, host_states=None, grad_scale_u=None):
+                            max_pos, rule, block_l=None, host_rows=None, host_states=None, grad_scale_u=None,
+                            groups=None, chunk="auto"):
     capacity, dim = inverse.numel(), rows.shape[1]
     if capacity == 0:
         return
@@ -335,28 +351,36 @@ def _backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offs
         h_rows = host_rows
         h0, h1 = _rule_args(host_rows, list(host_states), rule)
     grad_out = grad_out.contiguous()
-    perm, ptr, bag, scale, max_pos = backward_inputs(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
+    perm, ptr, bag, scale, max_pos = backward_inputs(grad_out, inverse, offsets, mode, per_sample_weights, max_pos,
+                                                     groups)
+    max_pos = max_pos.contiguous()
     has_gscale = grad_scale_u is not None
     block_l = block_l or backward_block_l(rows.device)
     block_d = _update_block_d(dim, block_l)
+    chunk = backward_chunk(rows.device) if chunk == "auto" else chunk
+    split = chunk_partials(grad_out, perm, ptr, bag, scale, max_pos, mode, chunk, block_l, block_d)
+    cptr, partial = split if split is not None else (ptr, grad_out)
     with on_device(rows):
-        backward_update_kernel[(capacity,)](
-            rows, s0, s1, h_rows, h0, h1, loc_u.contiguous(), n_uniq.reshape(1), grad_out, perm, ptr, bag, scale,
-            max_pos.contiguous(), grad_scale_u.contiguous() if has_gscale else scale, dim, *_scalars(rule),
-            MODE=mode, RULE=RULE_IDS[rule.kind], SOFT_RTNE=soft_rtne(rows.device), BLOCK_L=block_l,
-            BLOCK_D=block_d, GACC=tl_acc_dtype(grad_out.dtype), ACC=tl_acc_dtype(rows.dtype),
-            HAS_GSCALE=has_gscale, num_warps=backward_warps(block_l, block_d),
+        backward_update_kernel[(persistent_programs(rows.device, capacity),)](
+            rows, s0, s1, h_rows, h0, h1, loc_u.contiguous(), n_uniq.reshape(1), grad_out, perm, ptr, cptr,
+            partial, bag, scale, max_pos, grad_scale_u.contiguous() if has_gscale else scale, dim,
+            *_scalars(rule), MODE=mode, RULE=RULE_IDS[rule.kind], SOFT_RTNE=soft_rtne(rows.device),
+            BLOCK_L=block_l, BLOCK_D=block_d, GACC=tl_acc_dtype(grad_out.dtype), ACC=tl_acc_dtype(rows.dtype),
+            HAS_GSCALE=has_gscale, CHUNKED=split is not None, **backward_launch(block_l, block_d),
         )
 
 
 def backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode: int,
                            per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None,
-                           grad_scale_u=None):
-    """Fused Triton path: one program per unique id (grid = capacity B, those past n_uniq exit) sums the
-    gradient of its lookups (grouped by a stable sort, no atomics), scales it by grad_scale_u[j] when given, and
-    applies the rule to its row in place: a cache row, or a host row (pinned, through UVA) for a host location."""
+                           grad_scale_u=None, groups=None):
+    """Fused Triton path: persistent programs (a grid sized by the machine) loop over the unique ids up to
+    n_uniq, read on the device; each sums the gradient of its lookups (grouped by a stable sort, or `groups` =
+    (perm, ptr) from unique_ids' sort; no atomics; a hot id's long group is reduced in chunks by a first kernel,
+    see bag_backward.segment_partials_kernel), scales it by grad_scale_u[j] when given, and applies the rule to
+    its row in place: a cache row, or a host row (pinned, through UVA) for a host location."""
     _backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode, per_sample_weights,
-                            max_pos, rule, host_rows=host_rows, host_states=host_states, grad_scale_u=grad_scale_u)
+                            max_pos, rule, host_rows=host_rows, host_states=host_states, grad_scale_u=grad_scale_u,
+                            groups=groups)
 
 
 def sparse_update(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
@@ -368,19 +392,20 @@ def sparse_update(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
 
 def backward_update_torch(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode: int,
                           per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None,
-                          grad_scale_u=None):
+                          grad_scale_u=None, groups=None):
     """Reference of the fused op: segment reduction (of the live unique ids only, scaled by grad_scale_u), then
-    the update."""
+    the update. `groups` is a hint for the Triton path; the reference groups the lookups itself."""
     grad_u = unique_grad_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, grad_scale_u)
     sparse_update_torch(rows, states, loc_u, grad_u, n_uniq, rule, host_rows, host_states)
 
 
 def backward_update(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode: int,
                     per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None,
-                    grad_scale_u=None):
+                    grad_scale_u=None, groups=None):
     if backend_for(rows.device) == "triton":
         return backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode,
-                                      per_sample_weights, max_pos, rule, host_rows, host_states, grad_scale_u)
+                                      per_sample_weights, max_pos, rule, host_rows, host_states, grad_scale_u,
+                                      groups)
     return backward_update_torch(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode,
                                  per_sample_weights, max_pos, rule, host_rows, host_states, grad_scale_u)
 

@@ -3,6 +3,9 @@
 Shapes for a batch of B lookups: `uniq [B]` (the n unique ids ascending, then -1), `inverse [B]` (each lookup's
 position in `uniq`; -1 for a padding lookup), `counts [B]` (occurrences; 0 past n), `n_uniq [1]` on the ids'
 device. Fixed capacity keeps the GPU path free of host syncs: nothing downstream needs n on the host.
+With `return_groups=True` a fifth output, `groups = (perm [B], ptr [B + 1])`, groups the lookups by unique
+position as `bag_backward.lookup_groups(inverse)` does (stable; padding lookups last, in no group): the Triton
+path derives it from the sort it did here, so the backward need not sort again.
 """
 
 import torch
@@ -14,8 +17,9 @@ from .dispatch import backend_for, gpu_shapes, on_device
 PAD_ID = -1
 
 
-def unique_ids_torch(ids: torch.Tensor, padding_idx: int | None = None):
-    """Reference: torch.unique, then the padding id (if present) removed from the unique set."""
+def unique_ids_torch(ids: torch.Tensor, padding_idx: int | None = None, return_groups: bool = False):
+    """Reference: torch.unique, then the padding id (if present) removed from the unique set; groups by a sort
+    of the inverse (`lookup_groups`)."""
     n_lookups = ids.numel()
     ids = ids.reshape(-1).to(torch.int64)
     uniq, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
@@ -30,7 +34,12 @@ def unique_ids_torch(ids: torch.Tensor, padding_idx: int | None = None):
     uniq_buf[:n] = uniq
     count_buf[:n] = counts
     n_uniq = torch.tensor([n], dtype=torch.int64, device=ids.device)
-    return uniq_buf, inverse.reshape(-1), count_buf, n_uniq
+    inverse = inverse.reshape(-1)
+    if return_groups:
+        from .bag_backward import lookup_groups
+
+        return uniq_buf, inverse, count_buf, n_uniq, lookup_groups(inverse)
+    return uniq_buf, inverse, count_buf, n_uniq
 
 
 @triton.jit(do_not_specialize=["B", "padding_idx"])
@@ -72,8 +81,9 @@ def unique_scatter_kernel(s_ids, s_perm, p_pos, o_uniq, o_inverse, o_counts, B, 
     tl.store(o_inverse + b_lookup, tl.where(b_keep, b_u, -1), mask=m_i)
 
 
-def unique_ids_triton(ids: torch.Tensor, padding_idx: int | None = None):
-    """Sort, flag run heads, number them with a cumsum, scatter. Same outputs as `unique_ids_torch`, no host sync."""
+def unique_ids_triton(ids: torch.Tensor, padding_idx: int | None = None, return_groups: bool = False):
+    """Sort (stable), flag run heads, number them with a cumsum, scatter. Same outputs as `unique_ids_torch`, no
+    host sync."""
     ids = ids.reshape(-1).to(torch.int64)
     B = ids.numel()
     dev = ids.device
@@ -81,22 +91,45 @@ def unique_ids_triton(ids: torch.Tensor, padding_idx: int | None = None):
     counts = torch.zeros(B, dtype=torch.int64, device=dev)
     inverse = torch.empty(B, dtype=torch.int64, device=dev)
     if B == 0:
-        return uniq, inverse, counts, torch.zeros(1, dtype=torch.int64, device=dev)
-    s_ids, s_perm = torch.sort(ids)
+        n_uniq = torch.zeros(1, dtype=torch.int64, device=dev)
+        groups = (inverse, torch.zeros(1, dtype=torch.int64, device=dev))
+        return (uniq, inverse, counts, n_uniq, groups) if return_groups else (uniq, inverse, counts, n_uniq)
+    s_ids, s_perm = torch.sort(ids, stable=True)
     head = torch.empty(B, dtype=torch.int64, device=dev)
     has_pad = padding_idx is not None
     pad = int(padding_idx) if has_pad else 0
     # >= 16 lanes: Triton's interpreter before 3.3 ignores the mask of a one-element store
     BLOCK = min(1024 if gpu_shapes(dev) else 4096, max(16, triton.next_power_of_2(B)))
     grid = (triton.cdiv(B, BLOCK),)
-    unique_heads_kernel[grid](s_ids, head, B, pad, HAS_PAD=has_pad, BLOCK=BLOCK)
+    # 8 warps from 512 lanes: with 4, unique_scatter_kernel spilled at BLOCK=512 on sm_80
+    warps = 8 if BLOCK >= 512 else 4
+    unique_heads_kernel[grid](s_ids, head, B, pad, HAS_PAD=has_pad, BLOCK=BLOCK, num_warps=warps)
     pos = torch.cumsum(head, 0)
-    unique_scatter_kernel[grid](s_ids, s_perm, pos, uniq, inverse, counts, B, pad, HAS_PAD=has_pad, BLOCK=BLOCK)
-    return uniq, inverse, counts, pos[B - 1:]
+    unique_scatter_kernel[grid](s_ids, s_perm, pos, uniq, inverse, counts, B, pad, HAS_PAD=has_pad, BLOCK=BLOCK,
+                                num_warps=warps)
+    if not return_groups:
+        return uniq, inverse, counts, pos[B - 1:]
+    return uniq, inverse, counts, pos[B - 1:], groups_of_sort(s_ids, s_perm, counts, padding_idx)
 
 
-def unique_ids(ids: torch.Tensor, padding_idx: int | None = None):
+def groups_of_sort(s_ids, s_perm, counts, padding_idx: int | None = None):
+    """`lookup_groups(inverse)` from the stable sort of the ids: the sorted lookups with the padding id's run
+    moved to the end (a gather, no sort), and group starts from the counts."""
+    B = s_ids.numel()
+    perm = s_perm
+    if padding_idx is not None:
+        pad = torch.tensor([padding_idx], dtype=s_ids.dtype, device=s_ids.device)
+        p0 = torch.searchsorted(s_ids, pad)
+        n_pad = torch.searchsorted(s_ids, pad, right=True) - p0
+        q = torch.arange(B, device=s_ids.device)
+        src = torch.where(q < p0, q, torch.where(q < B - n_pad, q + n_pad, q - (B - n_pad) + p0))
+        perm = s_perm[src]
+    ptr = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    return perm, ptr
+
+
+def unique_ids(ids: torch.Tensor, padding_idx: int | None = None, return_groups: bool = False):
     if backend_for(ids.device) == "triton":
         with on_device(ids):
-            return unique_ids_triton(ids, padding_idx)
-    return unique_ids_torch(ids, padding_idx)
+            return unique_ids_triton(ids, padding_idx, return_groups)
+    return unique_ids_torch(ids, padding_idx, return_groups)
