@@ -60,9 +60,9 @@ class VictimPool:
                n_admit: torch.Tensor, n_hit: int, exact: bool) -> torch.Tensor:
         """The k lowest-scored slots under `protected(slots)` (window + this batch's hits, a bool per slot),
         lowest first; exactly the full ranking's first n_admit. `view_of(slots, protected)` builds a SlotView
-        (slots None: all C);
-        `unprotect_hits(score)` takes this batch's hit protection off full-view scores in place (O(hits)). With `exact` (counts on the host) fewer
-        than k victims may come back, never fewer than n_admit."""
+        (slots None: all C); `unprotect_hits(score)` takes this batch's hit protection off full-view scores in
+        place (O(hits)). With `exact` (counts on the host) fewer than k victims may come back, never fewer than
+        n_admit."""
         usable = is_monotone(policy) and policy is self.policy and self.slots.numel() >= (1 if exact else k)
         if usable:
             pool = self.slots
@@ -90,10 +90,11 @@ class VictimPool:
         score = policy(view_of(None, all_protected))
         unprotect_hits(score)
         size = self.pool_size(k, n_hit)
-        self.slots = kernels.victim_select(score, size, exact)  # ascending score
         if size < self.capacity:
+            self.slots = kernels.victim_select(score, size, exact)  # ascending score
             self.bound = score[self.slots[-1:]]
-        else:  # every slot is a candidate: nothing outside to stay below
+        else:  # every slot is a candidate (no order needed): nothing outside to stay below
+            self.slots = torch.arange(self.capacity, device=self.device)
             self.bound = torch.full((1,), PROTECTED - 1, dtype=torch.int64, device=self.device)
         self.policy = policy if is_monotone(policy) else None
         self.rankings += 1
