@@ -134,5 +134,25 @@ class ShardedEmbeddingBagCollection(nn.Module):
             raise KeyError(f"features {missing} are missing from the input (every table's features are needed)")
         return out
 
+    @property
+    def bags(self) -> list[CachedEmbeddingBag]:
+        """This rank's local shard modules (their fused optimizers, e.g. to change the learning rate)."""
+        return [bag.shard for bag in self.embedding_bags.values() if bag.shard is not None]
+
+    def cache_stats(self) -> dict:
+        """This rank's cache counters summed over the shards it keeps (reduce across ranks for the job's)."""
+        total: dict = {}
+        for bag in self.embedding_bags.values():
+            if bag.shard is not None:
+                for k, v in bag.shard.cache_stats().items():
+                    if k != "seconds":
+                        total[k] = total.get(k, 0) + v
+        return total
+
+    def reset_cache_stats(self) -> None:
+        for bag in self.embedding_bags.values():
+            if bag.shard is not None:
+                bag.shard.reset_cache_stats()
+
     def extra_repr(self) -> str:
         return ", ".join(f"{name}: {m.sharding.describe()}" for name, m in self.embedding_bags.items())

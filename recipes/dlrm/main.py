@@ -3,12 +3,20 @@
 `main(argv)` returns the final metrics dict (and prints it as one JSON line), so tests call it directly.
 Data: --data synthetic generates a planted-signal Criteo TSV and preprocesses it; the real data sets are
 preprocessed from their raw files in --data-dir on first use (to --data-dir/preprocessed).
+
+Under torchrun (`torchrun --nproc_per_node=N -m recipes.dlrm.main ...`, same flags) the tables are sharded with
+cachedemb.distributed.shard (gloo on CPU, NCCL on GPU with device = LOCAL_RANK); rank r trains on global batches
+r, r + N, ... (disjoint slices), evaluation metrics and samples/s are reduced across ranks and printed by
+rank 0, and checkpoints are torch.distributed.checkpoint directories (latest.dcp) that --resume loads at any
+world size (a single-process run included).
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import importlib
+import itertools
+import shutil
 import json
 import math
 import os
@@ -21,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import cachedemb
@@ -34,6 +43,8 @@ from recipes.dlrm.model import DLRM, DLRMConfig
 SPARSE_OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "rowwise_adagrad": optim.RowWiseAdagrad,
                      "adam": optim.Adam}
 CHECKPOINT = "latest.pt"
+DIST_CHECKPOINT = "latest.dcp"  # a torch.distributed.checkpoint directory (sharded runs), + TRAINER inside
+TRAINER = "trainer.pt"  # dense optimizer, position, RNG of a sharded run
 FINAL = "final.pt"
 
 
@@ -89,6 +100,44 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.preset = preset
     return args
+
+
+# --------------------------------------------------------------------------------------------- torchrun
+def init_distributed(args) -> bool:
+    """Join the torchrun job (WORLD_SIZE > 1) or one already initialized; sets args.rank / args.world and,
+    on GPU, args.device = cuda:LOCAL_RANK. Returns whether this call created the process group."""
+    created = False
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        cuda = args.device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        created = True
+    args.rank, args.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if args.world > 1 and args.device.startswith("cuda"):
+        args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', torch.cuda.current_device()))}"
+    return created
+
+
+def _inner(model):
+    """The DLRM itself (inside the DistributedModelParallel of a sharded run)."""
+    return getattr(model, "module", model)
+
+
+def _all_sum(values: list[float], args) -> list[float]:
+    if args.world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _all_max(value: float, args) -> float:
+    if args.world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -160,6 +209,10 @@ def build(args, preset: RunPreset, meta: dict, data_dir: Path):
                  id_freq=id_freq, device=torch.device(args.device))
     dense_cls = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[args.dense_optimizer]
     dense_opt = dense_cls(model.dense_parameters(), lr=args.dense_lr)
+    if getattr(args, "world", 1) > 1:
+        from cachedemb.distributed import shard
+
+        model = shard(model)  # same seed on every rank: each keeps its rows; dense part in DDP
     return model, dense_opt
 
 
@@ -172,6 +225,55 @@ def save_checkpoint(path: Path, model, dense_opt, position: dict) -> None:
              "rng": {"torch": torch.get_rng_state(), "numpy": numpy_rng, "python": random.getstate(),
                      "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
     cachedemb.save_checkpoint(state, path)  # atomic and durable: a kill mid-save keeps the previous one
+
+
+def _trainer_state(dense_opt, position: dict) -> dict:
+    return {"dense_optimizer": dense_opt.state_dict(), "position": position, "rng": torch.get_rng_state()}
+
+
+def save_distributed_checkpoint(directory: Path, model, dense_opt, position: dict, args) -> None:
+    """Every rank writes its rows (DCP) into a fresh directory; rank 0 adds the trainer state and swaps it in."""
+    from cachedemb.distributed import checkpoint as dcp_ckpt
+
+    final, tmp = directory / DIST_CHECKPOINT, directory / (DIST_CHECKPOINT + ".tmp")
+    if args.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp_ckpt.save_checkpoint(model, str(tmp))
+    if args.rank == 0:
+        torch.save(_trainer_state(dense_opt, position), tmp / TRAINER)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    dist.barrier()
+
+
+def resume(directory: Path, model, dense_opt, args) -> dict:
+    """--resume from the newer of latest.pt (single-process) and latest.dcp (sharded), at any world size."""
+    single, sharded = directory / CHECKPOINT, directory / DIST_CHECKPOINT
+    newest = max((p for p in (single, sharded) if p.exists()), key=lambda p: p.stat().st_mtime, default=None)
+    if newest is None:
+        raise FileNotFoundError(f"--resume: neither {str(single)!r} nor {str(sharded)!r} found; expected a "
+                                "checkpoint written with --checkpoint-every into --checkpoint-dir")
+    if newest == single and args.world == 1:
+        return load_checkpoint(single, model, dense_opt)
+    from cachedemb.distributed import checkpoint as dcp_ckpt
+    from cachedemb.distributed import load_full_state_dict
+
+    if newest == single:
+        state = cachedemb.load_checkpoint(single)
+        load_full_state_dict(model, state["model"])
+        trainer = {"dense_optimizer": state["dense_optimizer"], "position": state["position"],
+                   "rng": state["rng"]["torch"]}
+    else:
+        if args.world == 1:
+            dcp_ckpt.load_into_unsharded(model, str(sharded))
+        else:
+            dcp_ckpt.load_checkpoint(model, str(sharded))
+        trainer = torch.load(sharded / TRAINER, map_location="cpu", weights_only=True)
+    dense_opt.load_state_dict(trainer["dense_optimizer"])
+    torch.set_rng_state(trainer["rng"])
+    return trainer["position"]
 
 
 def load_checkpoint(path: Path, model, dense_opt) -> dict:
@@ -257,14 +359,37 @@ def evaluate(model: DLRM, split: PreprocessedSplit, args) -> dict:
     auroc, accuracy = BinaryAUROC(), BinaryAccuracy()
     loss_sum, rows = 0.0, 0
     device = torch.device(args.device)
-    for batch in split.batches(args.batch_size, limit_batches=args.eval_batches):
-        labels = batch.labels.to(device)
-        logits = model(batch.dense.to(device), batch.sparse.to(device))
+    world, rank = getattr(args, "world", 1), getattr(args, "rank", 0)
+    batches = list(itertools.islice(split.batches(args.batch_size, limit_batches=args.eval_batches), rank, None,
+                                    world))
+    # Every rank runs the same number of forwards (the sharded lookup is collective): short ranks run empty ones.
+    total = split.num_batches(args.batch_size)
+    total = total if args.eval_batches is None else min(args.eval_batches, total)
+    rounds = max(1, math.ceil(total / world))
+    got_probs, got_labels = [], []
+    for r in range(rounds):
+        batch = batches[r] if r < len(batches) else None
+        if batch is None:
+            dense = torch.zeros(0, _inner(model).config.num_dense)
+            sparse = torch.zeros(0, len(_inner(model).config.cat_names), dtype=torch.int64)
+            labels_cpu = torch.zeros(0)
+        else:
+            dense, sparse, labels_cpu = batch.dense, batch.sparse, batch.labels
+        labels = labels_cpu.to(device)
+        logits = model(dense.to(device), sparse.to(device))
         loss_sum += float(nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum"))
         rows += labels.numel()
-        probs = torch.sigmoid(logits).cpu()
-        auroc.update(probs, batch.labels.long())
-        accuracy.update(probs, batch.labels.long())
+        got_probs.append(torch.sigmoid(logits).cpu())
+        got_labels.append(labels_cpu.long())
+    probs, labels = torch.cat(got_probs), torch.cat(got_labels)
+    if world > 1:  # AUC needs every rank's predictions (as torchmetrics' own distributed sync gathers them)
+        parts = [None] * world
+        dist.all_gather_object(parts, (probs, labels))
+        probs, labels = torch.cat([p for p, _ in parts]), torch.cat([lb for _, lb in parts])
+        loss_sum, rows = _all_sum([loss_sum, rows], args)
+        rows = int(rows)
+    auroc.update(probs, labels)
+    accuracy.update(probs, labels)
     model.train()
     if rows == 0:
         raise ValueError(f"the {split.split!r} split of {str(split.data_dir)!r} has no rows to evaluate")
@@ -280,18 +405,26 @@ def train(model: DLRM, dense_opt, split: PreprocessedSplit, args, position: dict
     if args.limit_batches is not None:
         per_epoch = min(per_epoch, args.limit_batches)
     quiet = args.quiet or not sys.stderr.isatty()
+    world, rank = getattr(args, "world", 1), getattr(args, "rank", 0)
     step, samples, loss_sum, loss_n = position["step"], 0, 0.0, 0
     window_start, window_samples = time.perf_counter(), 0
-    model.sparse_arch.reset_cache_stats()
+    _inner(model).sparse_arch.reset_cache_stats()
     train_time, stopped = 0.0, False
     for epoch in range(position["epoch"], args.epochs):
+        # `start`: global batches of this epoch already trained; each step takes `world` of them, rank r the
+        # r-th (disjoint slices); a remainder smaller than the world is skipped so every rank steps equally.
         start = position["batch"] if epoch == position["epoch"] else 0
-        batches = maybe_prefetch(iterate(split, args, epoch, start, per_epoch - start), model, args)
-        bar = tqdm(batches, total=per_epoch - start, desc=f"epoch {epoch}", disable=quiet, leave=False)
+        local_steps = (per_epoch - start) // world
+        source = iterate(split, args, epoch, start, local_steps * world)
+        if world > 1:
+            source = itertools.islice(source, rank, None, world)
+        batches = maybe_prefetch(source, model, args)
+        bar = tqdm(batches, total=local_steps, desc=f"epoch {epoch}", disable=quiet or rank != 0, leave=False)
         t0 = time.perf_counter()
-        for i, batch in enumerate(bar, start=start):
+        for k, batch in enumerate(bar):
+            consumed = start + (k + 1) * world
             scale = args.lr_schedule.scale(step + 1)
-            set_learning_rates(model, dense_opt, args.dense_lr * scale, args.lr * scale)
+            set_learning_rates(_inner(model), dense_opt, args.dense_lr * scale, args.lr * scale)
             labels = batch.labels.to(device)
             logits = model(batch.dense.to(device), batch.sparse.to(device))
             loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
@@ -307,18 +440,21 @@ def train(model: DLRM, dense_opt, split: PreprocessedSplit, args, position: dict
                 loss_sum = float(loss_sum)
                 now = time.perf_counter()
                 sps = window_samples / max(now - window_start, 1e-9)
-                rate = hit_rate(model.sparse_arch.cache_stats())
+                rate = hit_rate(_inner(model).sparse_arch.cache_stats())
                 logger.log(step, epoch, loss_sum / loss_n, rate, sps)
                 bar.set_postfix(loss=f"{loss_sum / loss_n:.4f}", hit=f"{rate:.3f}", sps=f"{sps:.0f}")
-                if quiet and not args.quiet:
+                if quiet and not args.quiet and rank == 0:
                     print(f"step {step} epoch {epoch} loss {loss_sum / loss_n:.4f} hit_rate {rate:.3f} "
                           f"samples/s {sps:.0f}", flush=True)
                 window_start, window_samples, loss_sum, loss_n = now, 0, 0.0, 0
             if args.checkpoint_every and step % args.checkpoint_every == 0:
-                nxt = {"epoch": epoch, "batch": i + 1, "step": step}
-                if i + 1 >= per_epoch:
+                nxt = {"epoch": epoch, "batch": consumed, "step": step}
+                if consumed + world > per_epoch:
                     nxt = {"epoch": epoch + 1, "batch": 0, "step": step}
-                save_checkpoint(Path(args.checkpoint_dir) / CHECKPOINT, model, dense_opt, nxt)
+                if world > 1:
+                    save_distributed_checkpoint(Path(args.checkpoint_dir), model, dense_opt, nxt, args)
+                else:
+                    save_checkpoint(Path(args.checkpoint_dir) / CHECKPOINT, model, dense_opt, nxt)
             if args.stop_after_steps is not None and step >= args.stop_after_steps:
                 stopped = True
                 break
@@ -326,10 +462,15 @@ def train(model: DLRM, dense_opt, split: PreprocessedSplit, args, position: dict
         train_time += time.perf_counter() - t0
         if stopped:
             break
-    stats = model.sparse_arch.cache_stats()
+    stats = _inner(model).sparse_arch.cache_stats()
+    # Job-wide figures: samples and cache counters summed over ranks, time of the slowest rank.
+    samples, rows_in, unique = (int(v) for v in _all_sum([samples, stats.get("rows_in", 0),
+                                                          stats.get("unique", 0)], args))
+    train_time = _all_max(train_time, args)
     return {"steps": step, "train_samples": samples, "train_time_s": train_time,
             "samples_per_s": samples / train_time if train_time > 0 else float("nan"),
-            "cache_hit_rate": hit_rate(stats), "stopped_early": stopped}
+            "cache_hit_rate": hit_rate({"rows_in": rows_in, "unique": unique}), "stopped_early": stopped,
+            "world_size": world}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -337,28 +478,50 @@ def main(argv: list[str] | None = None) -> dict:
     preset: RunPreset = args.preset
     random.seed(args.seed)
     np.random.seed(args.seed)
-    data_dir = prepare_data(args, preset)
+    created = init_distributed(args)
+    try:
+        return _run(args, preset)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _run(args, preset: RunPreset) -> dict:
+    if args.rank == 0:
+        data_dir = prepare_data(args, preset)
+    if args.world > 1:
+        dist.barrier()  # rank 0 generated / preprocessed the data
+        data_dir = prepare_data(args, preset)
     meta = load_metadata(data_dir)
     train_split, val_split = PreprocessedSplit(data_dir, "train"), PreprocessedSplit(data_dir, "val")
     model, dense_opt = build(args, preset, meta, data_dir)
     position = {"epoch": 0, "batch": 0, "step": 0}
     if args.resume:
-        position = load_checkpoint(Path(args.checkpoint_dir) / CHECKPOINT, model, dense_opt)
+        position = resume(Path(args.checkpoint_dir), model, dense_opt, args)
     logger = Logger(args.log_dir)
     try:
         metrics = train(model, dense_opt, train_split, args, position, logger)
     finally:
         logger.close()
     if args.checkpoint_dir and not metrics["stopped_early"]:
-        save_checkpoint(Path(args.checkpoint_dir) / FINAL, model, dense_opt,
-                        {"epoch": args.epochs, "batch": 0, "step": metrics["steps"]})
+        final_position = {"epoch": args.epochs, "batch": 0, "step": metrics["steps"]}
+        if args.world > 1:  # the unsharded state_dict, as a single-process run writes it
+            from cachedemb.distributed import gather_full_state_dict
+
+            full = gather_full_state_dict(model)
+            if args.rank == 0:
+                torch.save({"model": full, "dense_optimizer": dense_opt.state_dict(), "position": final_position},
+                           Path(args.checkpoint_dir) / FINAL)
+        else:
+            save_checkpoint(Path(args.checkpoint_dir) / FINAL, model, dense_opt, final_position)
     if not metrics["stopped_early"]:
         metrics.update(evaluate(model, val_split, args))
     metrics.update({"data": args.data, "cache_ratio": args.cache_ratio, "embedding_dim": args.embedding_dim,
                     "batch_size": args.batch_size, "device": args.device})
     if not math.isnan(metrics["cache_hit_rate"]):
         metrics["cache_hit_rate"] = round(metrics["cache_hit_rate"], 6)
-    print(json.dumps(metrics, sort_keys=False))
+    if args.rank == 0:
+        print(json.dumps(metrics, sort_keys=False))
     return metrics
 
 

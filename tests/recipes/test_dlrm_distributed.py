@@ -1,0 +1,75 @@
+"""The DLRM recipe as a torchrun job (here: 2 spawned gloo ranks calling main(), as torchrun's ranks would):
+disjoint data slices, metrics reduced across ranks, a sharded checkpoint resumed at 1 rank."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("torchmetrics")
+pytest.importorskip("tqdm")
+
+from cachedemb.distributed.testing import run_spawned  # noqa: E402
+from recipes.dlrm import main as dlrm_main  # noqa: E402
+
+BATCH = 128
+COMMON = ["--synthetic-rows", "4000", "--embedding-dim", "4", "--batch-size", str(BATCH), "--quiet",
+          "--cache-ratio", "0.05", "--device", "cpu", "--optimizer", "adagrad", "--eval-batches", "3",
+          "--limit-batches", "4"]
+
+
+def _rank(rank: int, world: int, argv: list[str]) -> dict:
+    return dlrm_main.main(argv)
+
+
+def _reference_eval(data_dir: str, state: dict) -> dict:
+    """The gathered final model in a plain single-process DLRM, evaluated on the same val batches."""
+    args = dlrm_main.parse_args(COMMON + ["--data-dir", data_dir])
+    args.rank, args.world = 0, 1
+    path = dlrm_main.prepare_data(args, args.preset)
+    model, _ = dlrm_main.build(args, args.preset, dlrm_main.load_metadata(path), path)
+    model.load_state_dict(state)
+    return dlrm_main.evaluate(model, dlrm_main.PreprocessedSplit(path, "val"), args)
+
+
+def test_two_rank_run_then_resume_at_one_rank(tmp_path):
+    data_dir, ckpt = str(tmp_path / "data"), tmp_path / "ckpt"
+    run = COMMON + ["--data-dir", data_dir, "--checkpoint-dir", str(ckpt)]
+    # 4 global batches, 2 per rank: 2 steps, a sharded checkpoint (latest.dcp) after step 2, then final.pt.
+    metrics = run_spawned(_rank, 2, run + ["--epochs", "1", "--checkpoint-every", "2"], timeout_s=120)
+    m = metrics[0]
+    assert metrics[1]["auc"] == m["auc"] and metrics[1]["train_samples"] == m["train_samples"]
+    assert m["world_size"] == 2 and m["steps"] == 2 and m["train_samples"] == 4 * BATCH
+    assert m["eval_rows"] == 3 * BATCH
+    final = torch.load(ckpt / "final.pt", weights_only=False)
+    reference = _reference_eval(data_dir, final["model"])
+    assert reference["eval_rows"] == m["eval_rows"]
+    assert reference["auc"] == pytest.approx(m["auc"], abs=1e-6)
+    assert reference["logloss"] == pytest.approx(m["logloss"], rel=1e-5)
+    assert reference["accuracy"] == pytest.approx(m["accuracy"], abs=1e-6)
+
+    # Resume at 1 rank from the sharded checkpoint: epoch 1 (4 steps) at world size 1.
+    resumed = dlrm_main.main(run + ["--epochs", "2", "--resume"])
+    assert resumed["steps"] == 6 and resumed["world_size"] == 1
+    # Reference: the same state written in the single-process format (gathered rows, same trainer state).
+    trainer = torch.load(ckpt / "latest.dcp" / "trainer.pt", weights_only=False)
+    assert trainer["position"] == {"epoch": 1, "batch": 0, "step": 2}
+    np.random.seed(0)
+    random.seed(0)
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_rng = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                 "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    torch.save({"model": final["model"], "dense_optimizer": trainer["dense_optimizer"],
+                "position": trainer["position"], "rng": {"torch": trainer["rng"], "numpy": numpy_rng,
+                                                         "python": random.getstate(), "cuda": None}},
+               ref_dir / "latest.pt")
+    expected = dlrm_main.main(COMMON + ["--data-dir", data_dir, "--checkpoint-dir", str(ref_dir), "--epochs", "2",
+                                        "--resume"])
+    a = torch.load(ckpt / "final.pt", weights_only=False)["model"]
+    b = torch.load(ref_dir / "final.pt", weights_only=False)["model"]
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert resumed["auc"] == expected["auc"] and resumed["logloss"] == expected["logloss"]
