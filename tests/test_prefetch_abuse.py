@@ -61,7 +61,7 @@ def pf(source, m, **kw):
 
 
 def test_break_mid_window_then_train_on(sizing_mode):
-    data = batches(14)
+    data = batches(10)
     m = make()
     for i, b in enumerate(pf(data[:9], m)):
         step(m, b)
@@ -84,7 +84,7 @@ def _train_until_error(m, data, fail_at):
 
 
 def test_exception_in_the_loop_body(sizing_mode):
-    data = batches(12)
+    data = batches(9)
     m = make()
     with pytest.raises(KeyError, match="NaN"):
         _train_until_error(m, data, fail_at=4)
@@ -98,7 +98,7 @@ def test_source_that_raises(sizing_mode):
     data = batches(12)
 
     def source():
-        yield from data[:8]
+        yield from data[:6]
         raise OSError("disk read failed")
 
     m = make()
@@ -108,15 +108,15 @@ def test_source_that_raises(sizing_mode):
             yielded.append(b)
             step(m, b)
     # Read-ahead meets the error 4 batches early; every batch handed out was trained, nothing else.
-    assert 1 <= len(yielded) <= 8
+    assert 1 <= len(yielded) <= 6
     assert_no_leftovers(m)
-    for b in pf(data[8:], m):
+    for b in pf(data[6:9], m):
         step(m, b)
-    torch.testing.assert_close(m.weight, reference(yielded + data[8:]), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(m.weight, reference(yielded + data[6:9]), rtol=1e-6, atol=1e-6)
 
 
 def test_eval_loop_nested_in_training(sizing_mode):
-    data, held_out = batches(12), batches(4, seed=9, pool=30)
+    data, held_out = batches(8), batches(3, seed=9, pool=30)
     m, ref = make(), make()
     for i, b in enumerate(pf(data, m)):
         step(m, b)
@@ -134,7 +134,7 @@ def test_eval_loop_nested_in_training(sizing_mode):
 
 
 def test_second_prefetcher_over_the_same_module_is_refused(sizing_mode):
-    data = batches(10)
+    data = batches(7)
     m = make()
     for i, b in enumerate(pf(data, m)):
         step(m, b)
@@ -147,14 +147,14 @@ def test_second_prefetcher_over_the_same_module_is_refused(sizing_mode):
     assert_no_leftovers(m)
     torch.testing.assert_close(m.weight, reference(data), rtol=1e-6, atol=1e-6)
     # Once the first loop ended, another one is welcome.
-    more = batches(4, seed=6)
+    more = batches(3, seed=6)
     for b in pf(more, m):
         step(m, b)
     torch.testing.assert_close(m.weight, reference(data + more), rtol=1e-6, atol=1e-6)
 
 
 def test_kept_iterator_blocks_until_closed(sizing_mode):
-    data = batches(8)
+    data = batches(6)
     m = make()
     it = iter(pf(data, m))
     step(m, next(it))
@@ -170,7 +170,7 @@ def test_kept_iterator_blocks_until_closed(sizing_mode):
 @pytest.mark.parametrize("depth", [1, 4])
 def test_cache_barely_larger_than_a_batch(sizing_mode, depth):
     # 8 lookups from a pool of 5 ids: at most 5 distinct per batch, a cache of 6 rows.
-    data = batches(16, seed=3, pool=5, lookups=8)
+    data = batches(10, seed=3, pool=5, lookups=8)
     m = make(cache_rows=6)
     for b in pf(data, m, depth=depth, horizon=8):
         step(m, b)
