@@ -15,6 +15,10 @@ class InvalidInputTypeError(TypeError, RuntimeError):
     """Ids that are not int32/int64, or per_sample_weights of another dtype than the table (RuntimeError)."""
 
 
+class NotATensorError(TypeError, AttributeError):
+    """Ids or offsets given as something other than a tensor (nn.EmbeddingBag: AttributeError on `.dim()`)."""
+
+
 class UnsupportedModeError(ValueError, NotImplementedError):
     """per_sample_weights outside mode='sum' (nn.EmbeddingBag: NotImplementedError)."""
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from cachedemb import kernels
-from cachedemb.errors import InvalidIdError, InvalidInputTypeError, InvalidOffsetsError, UnsupportedModeError
+from cachedemb.errors import (InvalidIdError, InvalidInputTypeError, InvalidOffsetsError, NotATensorError,
+                              UnsupportedModeError)
 from cachedemb.sync_mode import counts_on_host
 
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -47,7 +48,7 @@ class BagInput:
 
 def _check_int_tensor(name: str, t) -> None:
     if not torch.is_tensor(t):
-        raise TypeError(f"{name} must be a torch.Tensor of int32/int64, got {type(t).__name__}")
+        raise NotATensorError(f"{name} must be a torch.Tensor of int32/int64, got {type(t).__name__}")
     if t.dtype not in _ID_DTYPES:
         raise InvalidInputTypeError(f"{name} must hold int32 or int64 values, got dtype {t.dtype}")
 
@@ -79,7 +80,7 @@ def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, includ
         if offsets.dim() != 1:
             raise ValueError(f"offsets must be 1-D, got shape {tuple(offsets.shape)}")
         if include_last_offset and offsets.numel() == 0:
-            raise ValueError("include_last_offset=True needs at least one offset (the end), got none")
+            raise InvalidOffsetsError("include_last_offset=True needs at least one offset (the end), got none")
         ids = input
         n = input.numel()
         offs = offsets.to(torch.int64)
