@@ -13,9 +13,6 @@ from cachedemb.kernels import PROTECTED, victim_select_torch
 from cachedemb.policy import POLICIES, SlotView
 from cachedemb.victim_pool import VictimPool
 
-pytestmark = [pytest.mark.usefixtures("sizing_mode")]
-
-
 @pytest.fixture(params=["torch", "triton"])
 def backend(request, monkeypatch):
     monkeypatch.setenv("CACHEDEMB_BACKEND", request.param)
