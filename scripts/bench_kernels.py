@@ -35,6 +35,8 @@ from cachedemb import kernels
 
 # Peak HBM bandwidth by device-name fragment (first match).
 PEAK_BW = (("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("H200", 4.8e12), ("A100", 2.0e12))
+# Issue #12's targets for the Triton paths, as fractions of peak HBM bandwidth.
+TARGET_FRACTION = {"pooled_forward": 0.60, "backward_update": 0.25}
 
 
 def parse_args(argv=None):
@@ -237,6 +239,9 @@ def run(args):
                 row.update(median_ms=t * 1e3, GBps=nbytes / t / 1e9)
                 if peak[ref]:
                     row[f"fraction_of_{ref}"] = nbytes / t / peak[ref]
+                    if name in TARGET_FRACTION and impl != "torch":
+                        row["target_fraction"] = TARGET_FRACTION[name]
+                        row["meets_target"] = row[f"fraction_of_{ref}"] >= TARGET_FRACTION[name]
             results.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
