@@ -9,12 +9,13 @@ read outside the tables. 1-D tensors are treated as [R, 1].
 
 import contextlib
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .dispatch import backend_for, gpu_shapes
+from .dispatch import backend_for, gpu_shapes, persistent_programs
 
 ROW_COPY_MODES = ("zero_copy", "staged")
 
@@ -174,3 +175,130 @@ def row_copy(src, src_idx, dst, dst_idx, n, accumulate: bool = False):
     if backend_for(index_device) == "triton":
         return row_copy_triton(src, src_idx, dst, dst_idx, n, accumulate)
     return row_copy_torch(src, src_idx, dst, dst_idx, n, accumulate)
+
+
+# ----------------------------------------------------------------------------------------- several tensors
+MAX_COPIES = 4  # a row, two optimizer states and a count: what moves with one cache row
+
+
+@dataclass(frozen=True)
+class RowCopy:
+    """One tensor pair of a multi-tensor copy: dst[dst_idx[i]] = src[src_idx[i]] (row_copy's rules)."""
+
+    src: torch.Tensor
+    src_idx: torch.Tensor
+    dst: torch.Tensor
+    dst_idx: torch.Tensor
+
+
+def row_copy_many_torch(copies: list[RowCopy], n) -> None:
+    """Reference: one row_copy_torch per pair."""
+    for c in copies:
+        row_copy_torch(c.src, c.src_idx, c.dst, c.dst_idx, n)
+
+
+@triton.jit
+def copy_block(src, src_idx, dst, dst_idx, R_src, R_dst, D, o_r, m_r, BLOCK_D: tl.constexpr):
+    """Rows o_r (mask m_r) of one pair, all D columns in BLOCK_D steps; contiguous rows."""
+    b_s = tl.load(src_idx + o_r, mask=m_r, other=-1).to(tl.int64)
+    b_t = tl.load(dst_idx + o_r, mask=m_r, other=-1).to(tl.int64)
+    m_r = m_r & (b_s >= 0) & (b_t >= 0) & (b_s < R_src) & (b_t < R_dst)
+    for d0 in range(0, D, BLOCK_D):
+        o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)
+        m = m_r[:, None] & (o_d < D)[None, :]
+        b_x = tl.load(src + b_s[:, None] * D + o_d[None, :], mask=m)
+        tl.store(dst + b_t[:, None] * D + o_d[None, :], b_x.to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["n_cap", "R_src0", "R_dst0", "R_src1", "R_dst1", "R_src2", "R_dst2", "R_src3",
+                               "R_dst3"])
+def row_copy_many_kernel(
+    n_ptr,  # [1] int64 pairs to copy (N_FROM_PTR), else unused
+    n_cap,  # static bound on the pairs
+    src0, src_idx0, dst0, dst_idx0, R_src0, R_dst0, D0,
+    src1, src_idx1, dst1, dst_idx1, R_src1, R_dst1, D1,
+    src2, src_idx2, dst2, dst_idx2, R_src2, R_dst2, D2,
+    src3, src_idx3, dst3, dst_idx3, R_src3, R_dst3, D3,
+    N_COPIES: tl.constexpr,
+    N_FROM_PTR: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BD0: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr, BD3: tl.constexpr,
+):
+    """Up to four tensor pairs in one launch. Persistent programs loop over blocks of BLOCK_R pairs up to the
+    count read on the device (min(n, n_cap)); each block copies its rows of every pair."""
+    n = n_cap
+    if N_FROM_PTR:
+        n = tl.minimum(tl.load(n_ptr), n_cap)
+    blk = tl.program_id(0).to(tl.int64)
+    while blk * BLOCK_R < n:
+        o_r = blk * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+        m_r = o_r < n
+        copy_block(src0, src_idx0, dst0, dst_idx0, R_src0, R_dst0, D0, o_r, m_r, BD0)
+        if N_COPIES > 1:
+            copy_block(src1, src_idx1, dst1, dst_idx1, R_src1, R_dst1, D1, o_r, m_r, BD1)
+        if N_COPIES > 2:
+            copy_block(src2, src_idx2, dst2, dst_idx2, R_src2, R_dst2, D2, o_r, m_r, BD2)
+        if N_COPIES > 3:
+            copy_block(src3, src_idx3, dst3, dst_idx3, R_src3, R_dst3, D3, o_r, m_r, BD3)
+        blk += tl.num_programs(0)
+
+
+def _zero_copy_ok(c: RowCopy) -> bool:
+    src2, dst2 = _as_rows(c.src), _as_rows(c.dst)
+    if not (src2.is_contiguous() and dst2.is_contiguous()) or src2.shape[1] != dst2.shape[1]:
+        return False
+    if src2.device.type != dst2.device.type:
+        host = c.src if src2.device.type == "cpu" else c.dst
+        return row_copy_mode() == "zero_copy" and host.is_pinned()
+    return True
+
+
+def row_copy_many_triton(copies: list[RowCopy], n) -> None:
+    """All pairs in ceil(len / 4) launches; pairs the kernel cannot address (strided, an unpinned host side,
+    `CACHEDEMB_ROW_COPY=staged`) go through row_copy one by one."""
+    direct = [c for c in copies if _zero_copy_ok(c)]
+    for c in copies:
+        if not _zero_copy_ok(c):
+            row_copy_triton(c.src, c.src_idx, c.dst, c.dst_idx, n)
+    for i in range(0, len(direct), MAX_COPIES):
+        _launch_many(direct[i:i + MAX_COPIES], n)
+
+
+def _launch_many(copies: list[RowCopy], n) -> None:
+    cuda = next((t.device for c in copies for t in (c.src, c.dst, c.src_idx) if t.device.type == "cuda"), None)
+    n_cap = min(min(c.src_idx.numel(), c.dst_idx.numel()) for c in copies)
+    if torch.is_tensor(n) and not (cuda is not None and n.device.type == "cpu"):
+        n_ptr, from_ptr = n.reshape(1), True
+    else:
+        n_cap, n_ptr, from_ptr = min(n_cap, max(int(n), 0)), copies[0].src_idx, False  # a CPU count: free
+    if n_cap == 0:
+        return
+    args, blocks = [], []
+    for c in copies + [copies[0]] * (MAX_COPIES - len(copies)):
+        src2, dst2 = _as_rows(c.src), _as_rows(c.dst)
+        src_idx, dst_idx = c.src_idx.contiguous(), c.dst_idx.contiguous()
+        if cuda is not None:
+            src_idx, dst_idx = (t if t.is_cuda or t.is_pinned() else t.to(cuda) for t in (src_idx, dst_idx))
+        args += [src2, src_idx, dst2, dst_idx, src2.shape[0], dst2.shape[0], src2.shape[1]]
+        blocks.append(max(1, min(triton.next_power_of_2(src2.shape[1]), 128)))
+    if cuda is not None and n_ptr.device.type == "cpu" and not n_ptr.is_pinned():
+        n_ptr = n_ptr.to(cuda)
+    if cuda is not None or gpu_shapes(copies[0].src_idx.device):
+        block_r = max(16, 2048 // max(blocks))
+    else:  # the interpreter: few, large programs
+        block_r = min(4096, max(16, triton.next_power_of_2(n_cap)))
+    grid = (persistent_programs(cuda or copies[0].src_idx.device, triton.cdiv(n_cap, block_r)),)
+    with torch.cuda.device(cuda) if cuda is not None else contextlib.nullcontext():
+        row_copy_many_kernel[grid](n_ptr, n_cap, *args, N_COPIES=len(copies), N_FROM_PTR=from_ptr,
+                                   BLOCK_R=block_r, BD0=blocks[0], BD1=blocks[1], BD2=blocks[2], BD3=blocks[3],
+                                   num_warps=4)
+
+
+def row_copy_many(copies: list[RowCopy], n) -> None:
+    """Several row copies sharing one count `n` (an int or a [1] tensor on the index device), in one launch
+    where the kernel can address every pair: a cache row's weights, optimizer states and count move together."""
+    if not copies:
+        return
+    if backend_for(copies[0].src_idx.device) == "triton":
+        return row_copy_many_triton(copies, n)
+    return row_copy_many_torch(copies, n)
