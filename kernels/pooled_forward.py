@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import backend_for, on_device, soft_rtne
+from .dispatch import backend_for, gpu_shapes, on_device, soft_rtne
 
 MODE_SUM, MODE_MEAN, MODE_MAX = 0, 1, 2
 MODES = {"sum": MODE_SUM, "mean": MODE_MEAN, "max": MODE_MAX}
@@ -165,54 +165,73 @@ def pooled_forward_kernel(
     psw,  # [B] per-sample weights (sum mode; unused unless HAS_PSW)
     out,  # [n_bags, D] rows' dtype
     max_pos,  # [n_bags, D] int64 (max mode only)
+    n_bags,
     D,
+    BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MODE: tl.constexpr,
     HAS_PSW: tl.constexpr,
     SOFT_RTNE: tl.constexpr,
     ACC: tl.constexpr,
 ):
+    """A [BLOCK_B bags, BLOCK_D columns] tile: step t adds lookup t of every bag of the tile (bags shorter than
+    t are masked), so each bag still sums in lookup order, the same order as torch.embedding_bag. Several bags
+    per program keep the lanes busy when D is small."""
     i_b, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    m_b = o_b < n_bags
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
     m_d = o_d < D
-    bos, eos = tl.load(offsets + i_b).to(tl.int64), tl.load(offsets + i_b + 1).to(tl.int64)
-    b_acc = tl.zeros([BLOCK_D], dtype=ACC)
-    b_pos = tl.full([BLOCK_D], -1, dtype=tl.int64)
-    n_valid = tl.full([], 0, dtype=tl.int32)
-    # sequential in lookup order: the same sum order as torch.embedding_bag
-    for i in range(bos, eos):
-        i_u = tl.load(inverse + i)
-        if i_u >= 0:
-            i_r = tl.load(loc_u + i_u).to(tl.int64)
-            p_row = rows + i_r * D
-            if i_r <= -2:
-                p_row = host_rows + (-2 - i_r) * D
-            b_x = tl.load(p_row + o_d, mask=m_d, other=0.0).to(ACC)
-            if MODE == 2:
-                # first maximal lookup wins (strict >), the bag's first valid lookup always seeds
-                m_upd = (n_valid == 0) | (b_x > b_acc)
-                b_acc = tl.where(m_upd, b_x, b_acc)
-                b_pos = tl.where(m_upd, i, b_pos)
-            else:
-                if HAS_PSW:
-                    b_x = b_x * tl.load(psw + i).to(ACC)
-                b_acc = b_acc + b_x
-            n_valid += 1
+    bos = tl.load(offsets + o_b, mask=m_b, other=0).to(tl.int64)
+    eos = tl.load(offsets + o_b + 1, mask=m_b, other=0).to(tl.int64)
+    b_acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=ACC)
+    b_pos = tl.full([BLOCK_B, BLOCK_D], -1, dtype=tl.int64)
+    n_valid = tl.zeros([BLOCK_B], dtype=tl.int32)
+    for t in range(0, tl.max(eos - bos, axis=0)):
+        o_i = bos + t
+        b_u = tl.load(inverse + o_i, mask=m_b & (o_i < eos), other=-1)
+        m_v = b_u >= 0
+        b_r = tl.load(loc_u + tl.maximum(b_u, 0), mask=m_v, other=0).to(tl.int64)
+        m_h, m_c = m_v & (b_r <= -2), m_v & (b_r > -2)
+        b_xc = tl.load(rows + tl.maximum(b_r, 0)[:, None] * D + o_d[None, :], mask=m_c[:, None] & m_d[None, :],
+                       other=0.0)
+        b_xh = tl.load(host_rows + tl.maximum(-2 - b_r, 0)[:, None] * D + o_d[None, :],
+                       mask=m_h[:, None] & m_d[None, :], other=0.0)
+        b_x = tl.where(m_h[:, None], b_xh, b_xc).to(ACC)
+        if MODE == 2:
+            # first maximal lookup wins (strict >), the bag's first valid lookup always seeds
+            m_upd = m_v[:, None] & ((n_valid == 0)[:, None] | (b_x > b_acc))
+            b_acc = tl.where(m_upd, b_x, b_acc)
+            b_pos = tl.where(m_upd, o_i[:, None], b_pos)
+        else:
+            if HAS_PSW:
+                b_x = b_x * tl.load(psw + o_i, mask=m_v, other=0.0).to(ACC)[:, None]
+            b_acc = b_acc + b_x  # masked lookups add +0.0: the sum's bits are unchanged
+        n_valid += m_v.to(tl.int32)
     if MODE == 1:
-        b_acc = ieee_div(b_acc, tl.maximum(n_valid, 1).to(ACC))  # IEEE division, as torch
-    p_out = out + i_b * D + o_d
-    tl.store(p_out, cast_to(b_acc, p_out.dtype.element_ty, SOFT_RTNE), mask=m_d)
+        b_acc = ieee_div(b_acc, tl.maximum(n_valid, 1).to(ACC)[:, None])  # IEEE division, as torch
+    m_t = m_b[:, None] & m_d[None, :]
+    p_out = out + o_b[:, None] * D + o_d[None, :]
+    tl.store(p_out, cast_to(b_acc, p_out.dtype.element_ty, SOFT_RTNE), mask=m_t)
     if MODE == 2:
-        tl.store(max_pos + i_b * D + o_d, b_pos, mask=m_d)
+        tl.store(max_pos + o_b[:, None] * D + o_d[None, :], b_pos, mask=m_t)
 
 
 def _forward_block_d(dim: int) -> int:
     return min(triton.next_power_of_2(dim), 128)
 
 
+def forward_bags_per_program(block_d: int, device: torch.device) -> int:
+    """Bags one program pools: 1 from 64 columns on; below, enough bags for a 256-element tile on the GPU (a
+    warp's lanes each load a 4-element vector of some bag), 1024 under the interpreter (fewer programs)."""
+    if block_d >= 64:
+        return 1
+    return min(64, (256 if gpu_shapes(device) else 1024) // block_d)
+
+
 def pooled_forward_triton(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None, host_rows=None):
-    """Triton path of pooled_forward: one program per (bag, D-block) reading rows[loc_u[inverse[i]]] in place
-    (or the host row for a host location)."""
+    """Triton path of pooled_forward: one program per (BLOCK_B bags, D-block) reading rows[loc_u[inverse[i]]] in
+    place (or the host row for a host location)."""
     n_bags, dim = offsets.numel() - 1, rows.shape[1]
     rows = rows.contiguous()
     out = torch.empty(n_bags, dim, dtype=rows.dtype, device=rows.device)
@@ -225,14 +244,15 @@ def pooled_forward_triton(rows, loc_u, inverse, offsets, mode: int, per_sample_w
     if host.dtype != rows.dtype or not host.is_contiguous():
         raise ValueError(f"host rows must be a contiguous {rows.dtype} table, got {host.dtype}")
     block_d = _forward_block_d(dim)
-    grid = (n_bags, triton.cdiv(dim, block_d))
+    block_b = min(forward_bags_per_program(block_d, rows.device), max(1, triton.next_power_of_2(n_bags)))
+    grid = (triton.cdiv(n_bags, block_b), triton.cdiv(dim, block_d))
     with on_device(rows):
         pooled_forward_kernel[grid](
             rows, host, loc_u.contiguous(), inverse.contiguous(), offsets.contiguous(), psw, out,
-            max_pos if max_pos is not None else out, dim,
-            BLOCK_D=block_d, MODE=mode, HAS_PSW=has_psw, SOFT_RTNE=soft_rtne(rows.device),
+            max_pos if max_pos is not None else out, n_bags, dim,
+            BLOCK_B=block_b, BLOCK_D=block_d, MODE=mode, HAS_PSW=has_psw, SOFT_RTNE=soft_rtne(rows.device),
             ACC=tl_acc_dtype(rows.dtype),
-            num_warps=max(1, min(4, block_d // 128)),
+            num_warps=max(1, min(4, block_b * block_d // 128)),
         )
     return out, max_pos
 
