@@ -212,15 +212,13 @@ class EmbeddingCache:
 
     def _copy_out(self, slots, dirty_ids, ids, n) -> None:
         """Rows and state of the first n `slots` to the host rows `dirty_ids` (-1 skips: clean), counts to `ids`."""
-        for dev_t, host_t in self._row_tensors():
-            kernels.row_copy(dev_t, slots, host_t, dirty_ids, n)
-        kernels.row_copy(self.slot_freq, slots, self.host_freq, ids, n)
+        copies = [kernels.RowCopy(dev_t, slots, host_t, dirty_ids) for dev_t, host_t in self._row_tensors()]
+        kernels.row_copy_many(copies + [kernels.RowCopy(self.slot_freq, slots, self.host_freq, ids)], n)
 
     def _fill(self, ids: torch.Tensor, slots: torch.Tensor, n) -> None:
         """Gather rows, state and counts of the first n `ids` from the host into `slots`."""
-        for dev_t, host_t in self._row_tensors():
-            kernels.row_copy(host_t, ids, dev_t, slots, n)
-        kernels.row_copy(self.host_freq, ids, self.slot_freq, slots, n)
+        copies = [kernels.RowCopy(host_t, ids, dev_t, slots) for dev_t, host_t in self._row_tensors()]
+        kernels.row_copy_many(copies + [kernels.RowCopy(self.host_freq, ids, self.slot_freq, slots)], n)
 
     def _masked_put(self, target: torch.Tensor, index: torch.Tensor, values, n) -> None:
         """target[index[i]] = values[i] for i < n, without a host sync (the rest go to the dump element)."""
