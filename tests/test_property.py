@@ -115,7 +115,7 @@ def nn_overruns(cfg, inp, off) -> bool:
     """nn.EmbeddingBag (torch 2.13, CPU) may write out of bounds (segfault) when a non-empty 1-D input has no bags:
     offsets empty, or include_last_offset=True with a single offset (seen with mode="mean", mode="max" or a
     padding_idx). The result is empty either way; such a batch is asked of nn without its lookups."""
-    if inp.dim() != 1 or off is None or inp.numel() == 0:
+    if inp.dim() != 1 or off is None or off.dim() != 1 or inp.numel() == 0:
         return False
     return off.numel() == int(cfg["include_last_offset"])
 
