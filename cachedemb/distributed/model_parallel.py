@@ -15,6 +15,7 @@ from cachedemb.collection import CachedEmbeddingBagCollection
 from cachedemb.distributed.plan import ShardingPlan, TableSharding, default_plan
 from cachedemb.distributed.sharded_bag import ShardedEmbeddingBag
 from cachedemb.distributed.sharded_collection import ShardedEmbeddingBagCollection
+from cachedemb.distributed.sharded_dynamic import gather_dynamic_state_dict, shard_dynamic_tables
 from cachedemb.embedding_bag import CachedEmbeddingBag
 
 
@@ -129,6 +130,7 @@ def shard(model: nn.Module, plan: ShardingPlan | dict | None = None, process_gro
                         "dense part in DDP itself (DDP would not see the cached tables' rows)")
     group = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
+    model = shard_dynamic_tables(model, group)  # DynamicEmbeddingBags: ids hashed to owner ranks
     modules = _cached_modules(model)
     if plan is None:
         plan = plan_for(model, world)
@@ -183,9 +185,11 @@ def gather_full_state_dict(model: nn.Module, dst: int = 0) -> dict[str, torch.Te
     gathered = [None] * world if rank == dst else None
     global_dst = dist.get_global_rank(group, dst) if group is not dist.group.WORLD else dst
     dist.gather_object(mine, gathered, dst=global_dst, group=group)
+    dynamic = gather_dynamic_state_dict(inner, group, dst)  # keyed by id, merged over the ranks
     if rank != dst:
         return None
     out = {k: v for k, v in inner.state_dict().items() if not _under(k, list(sharded))}
+    out.update(dynamic)
     for name, m in sharded.items():
         prefix = f"{name}." if name else ""
         full: dict[str, torch.Tensor] = {}
