@@ -38,7 +38,7 @@ def test_two_rank_run_then_resume_at_one_rank(tmp_path):
     assert metrics[1]["auc"] == m["auc"] and metrics[1]["train_samples"] == m["train_samples"]
     assert m["world_size"] == 2 and m["steps"] == 2 and m["train_samples"] == 4 * BATCH
     assert m["eval_rows"] == 3 * BATCH
-    final = torch.load(ckpt / "final.pt", weights_only=False)
+    final = torch.load(ckpt / "final.pt", weights_only=True)
     reference = _reference_eval(data_dir, final["model"])
     assert reference["eval_rows"] == m["eval_rows"]
     assert reference["auc"] == pytest.approx(m["auc"], abs=1e-6)

@@ -28,7 +28,7 @@ def test_learns_planted_signal(data_dir, tmp_path):
 
 
 def _final_model(ckpt_dir):
-    return torch.load(f"{ckpt_dir}/final.pt", map_location="cpu", weights_only=False)
+    return torch.load(f"{ckpt_dir}/final.pt", map_location="cpu", weights_only=True)
 
 
 def test_resume_equals_uninterrupted_run(data_dir, tmp_path):
