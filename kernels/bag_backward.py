@@ -99,8 +99,6 @@ def _unique_grad_torch(grad_out, inverse, offsets, mode: int, per_sample_weights
     n = int((ptr[1:] > ptr[:-1]).sum())
     if n == 0:  # every lookup is padding: embedding_bag with no offsets but lookups writes out of bounds
         return grad_out.new_zeros(0, grad_out.shape[1], dtype=acc_dtype(grad_out.dtype))
-    if n == 0:  # every lookup is padding: embedding_bag with no offsets but lookups writes out of bounds
-        return grad_out.new_zeros(0, grad_out.shape[1], dtype=acc_dtype(grad_out.dtype))
     n_lookups = inverse.numel()
     bag = bag_of_lookup(offsets, n_lookups)[perm]
     acc = acc_dtype(grad_out.dtype)
