@@ -36,7 +36,7 @@ def save_checkpoint(obj, path: str | os.PathLike) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_directory(directory)
+    fsync_directory(directory)
 
 
 def load_checkpoint(path: str | os.PathLike, map_location="cpu"):
@@ -48,7 +48,7 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu"):
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     """Make a rename inside `directory` durable (POSIX: the directory entry lives in the directory's data)."""
     fd = os.open(directory, os.O_RDONLY)
     try:

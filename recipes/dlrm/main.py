@@ -13,6 +13,7 @@ world size (a single-process run included).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import importlib
 import itertools
@@ -232,19 +233,34 @@ def _trainer_state(dense_opt, position: dict) -> dict:
 
 
 def save_distributed_checkpoint(directory: Path, model, dense_opt, position: dict, args) -> None:
-    """Every rank writes its rows (DCP) into a fresh directory; rank 0 adds the trainer state and swaps it in."""
+    """Every rank writes its rows (DCP) into a fresh step directory; rank 0 adds the trainer state, then points
+    the `latest.dcp` symlink at it with one atomic rename (and drops the previous one): a job killed at any
+    point still finds its previous checkpoint whole."""
+    from cachedemb.checkpoint import fsync_directory
     from cachedemb.distributed import checkpoint as dcp_ckpt
 
-    final, tmp = directory / DIST_CHECKPOINT, directory / (DIST_CHECKPOINT + ".tmp")
+    link = directory / DIST_CHECKPOINT
+    target = directory / f"{DIST_CHECKPOINT}.step{position['step']}"
+    if link.is_symlink() and link.resolve() == target.resolve():  # saving the same step again: keep it whole
+        target = target.with_name(target.name + ".again")
     if args.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
     dist.barrier()
-    dcp_ckpt.save_checkpoint(model, str(tmp))
+    dcp_ckpt.save_checkpoint(model, str(target))  # collective: returns when every rank's rows are written
     if args.rank == 0:
-        torch.save(_trainer_state(dense_opt, position), tmp / TRAINER)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        cachedemb.save_checkpoint(_trainer_state(dense_opt, position), target / TRAINER)
+        previous = link.resolve() if link.is_symlink() else None
+        if link.exists() and not link.is_symlink():  # a plain directory written by an older recipe
+            shutil.rmtree(link)
+        pending = directory / (DIST_CHECKPOINT + ".link")
+        with contextlib.suppress(FileNotFoundError):
+            pending.unlink()
+        os.symlink(target.name, pending)
+        os.replace(pending, link)
+        fsync_directory(directory)
+        if previous is not None and previous != target.resolve():
+            shutil.rmtree(previous, ignore_errors=True)
     dist.barrier()
 
 
@@ -510,8 +526,9 @@ def _run(args, preset: RunPreset) -> dict:
 
             full = gather_full_state_dict(model)
             if args.rank == 0:
-                torch.save({"model": full, "dense_optimizer": dense_opt.state_dict(), "position": final_position},
-                           Path(args.checkpoint_dir) / FINAL)
+                Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+                cachedemb.save_checkpoint({"model": full, "dense_optimizer": dense_opt.state_dict(),
+                                           "position": final_position}, Path(args.checkpoint_dir) / FINAL)
         else:
             save_checkpoint(Path(args.checkpoint_dir) / FINAL, model, dense_opt, final_position)
     if not metrics["stopped_early"]:
