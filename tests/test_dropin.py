@@ -141,7 +141,8 @@ def test_a_table_nobody_holds_stays_on_the_fast_path(backend):
         with torch.no_grad():
             ours.weight[0] = 1.0
         assert not ours._table_shared()
-    assert not ours._watched and ours.cache.maybe_dirty
+    ours(*batch(60)).sum().backward()
+    assert not ours._watched and ours.cache.maybe_dirty  # the step's updates stay in the cache (no write-through)
 
 
 def test_weight_assignment_replaces_the_table(backend):
@@ -313,7 +314,9 @@ def test_scale_grad_by_freq(backend, mode, weighted):
 @pytest.mark.parametrize("padding_idx", [None, 3])
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 @pytest.mark.parametrize("validate", [True, False])
-def test_include_last_offset_with_lookups_past_the_last_offset(backend, mode, padding_idx, validate):
+def test_include_last_offset_with_lookups_past_the_last_offset(backend, mode, padding_idx, validate, request):
+    if backend == "triton" and not (validate and padding_idx is not None) and not request.config.getoption("--slow"):
+        pytest.skip("slow: the interpreter repeats what the torch backend checks (input handling); --slow runs it")
     ref, ours = pair(mode=mode, padding_idx=padding_idx, include_last_offset=True)
     ours.validate_inputs = validate
     ids = torch.tensor([0, 1, 2, 3, 4, 3, 5, 6])

@@ -249,9 +249,11 @@ def test_strided_views_give_embedding_bag_results(sizing_mode, monkeypatch, back
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_forward_of_other_ids_under_window_protection_is_exact(sizing_mode, monkeypatch, backend):
+def test_forward_of_other_ids_under_window_protection_is_exact(sizing_mode, monkeypatch, backend, request):
     """A prefetch window protects most slots; an eval batch of other ids inside the training loop (more
     distinct ids than free slots) is served exactly, and training equals training without the eval batches."""
+    if backend == "triton" and sizing_mode == "sync_free" and INTERPRETED and not request.config.getoption("--slow"):
+        pytest.skip("slow under the interpreter (~50 s); the exact-sizing Triton run and both torch runs stay")
     if backend == "triton" and not INTERPRETED:
         pytest.skip("needs TRITON_INTERPRET=1")
     monkeypatch.setenv("CACHEDEMB_BACKEND", backend)

@@ -43,6 +43,7 @@ def test_training_on_triton(name, mode, monkeypatch):
     training.test_cached_training_equals_full_table(name, mode)
 
 
+@pytest.mark.slow  # host-served misses on Triton are also trained in test_dropin / test_training_on_triton
 def test_spill_training_on_triton():
     training.test_spill_path_trains_exactly()
 
