@@ -38,6 +38,17 @@ from cachedemb.embedding_bag import CachedEmbeddingBag
 from cachedemb.input_check import normalize_bag_input
 
 
+def lookups_with_bags(ids: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None, pad_id):
+    """Each lookup's id, bag and weight, padding lookups dropped: what travels to the ids' owners."""
+    bag_of = torch.repeat_interleave(torch.arange(offsets.numel() - 1, dtype=torch.int64, device=ids.device),
+                                     offsets.diff())
+    if pad_id is not None:
+        keep = ids != pad_id
+        ids, bag_of = ids[keep], bag_of[keep]
+        psw = psw[keep] if psw is not None else None
+    return ids, bag_of, psw
+
+
 def local_shard(module: CachedEmbeddingBag, start: int, end: int, device: torch.device, pooling: str,
                 ) -> CachedEmbeddingBag:
     """A CachedEmbeddingBag over rows [start, end) of `module` (their current values and optimizer state),
@@ -130,14 +141,8 @@ class ShardedEmbeddingBag(nn.Module):
                                    include_last_offset=self.include_last_offset, num_embeddings=self.num_embeddings,
                                    device=input.device, validate=True, padding_idx=self.padding_idx,
                                    table_dtype=self.dtype)
-        ids, n_bags = bags.ids, bags.offsets.numel() - 1
-        bag_of = torch.repeat_interleave(torch.arange(n_bags, dtype=torch.int64, device=ids.device),
-                                         bags.offsets.diff())
-        psw = bags.per_sample_weights
-        if bags.pad_id is not None:
-            keep = ids != bags.pad_id
-            ids, bag_of = ids[keep], bag_of[keep]
-            psw = psw[keep] if psw is not None else None
+        n_bags = bags.offsets.numel() - 1
+        ids, bag_of, psw = lookups_with_bags(bags.ids, bags.offsets, bags.per_sample_weights, bags.pad_id)
         world, group = self.world_size, self.group
         owner = None
         if self.data_parallel:

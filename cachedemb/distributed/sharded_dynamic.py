@@ -40,7 +40,7 @@ from torch import nn
 
 from cachedemb.collection import CachedEmbeddingBagCollection
 from cachedemb.distributed.exchange import AllToAllRows, all_to_all, exchange_counts
-from cachedemb.distributed.sharded_bag import ExchangedInput, ShardedEmbeddingBag
+from cachedemb.distributed.sharded_bag import ExchangedInput, ShardedEmbeddingBag, lookups_with_bags
 from cachedemb.dynamic import DynamicEmbeddingBag
 from cachedemb.dynamic_index import _i64, _lsr, mix64
 from cachedemb.input_check import normalize_bag_input
@@ -137,15 +137,9 @@ class ShardedDynamicEmbeddingBag(nn.Module):
                                    per_sample_weights, mode=self.mode, include_last_offset=self.include_last_offset,
                                    num_embeddings=1, device=input.device, validate=True,
                                    padding_idx=self.padding_idx, table_dtype=self.dtype)
-        ids = input.reshape(-1)[: bags.ids.numel()].to(torch.int64)
         n_bags = bags.offsets.numel() - 1
-        bag_of = torch.repeat_interleave(torch.arange(n_bags, dtype=torch.int64, device=ids.device),
-                                         bags.offsets.diff())
-        psw = bags.per_sample_weights
-        if self.padding_idx is not None:
-            keep = ids != self.padding_idx
-            ids, bag_of = ids[keep], bag_of[keep]
-            psw = psw[keep] if psw is not None else None
+        ids, bag_of, psw = lookups_with_bags(input.reshape(-1)[: bags.ids.numel()].to(torch.int64), bags.offsets,
+                                             bags.per_sample_weights, self.padding_idx)
         world, group = self.world_size, self.group
         owner = owner_rank(ids, world)
         order = torch.argsort(owner, stable=True)
@@ -169,12 +163,6 @@ class ShardedDynamicEmbeddingBag(nn.Module):
     def prefetch_targets(self, batch) -> list:
         raise NotImplementedError("cachedemb.prefetch over a sharded dynamic table is not supported yet: run its "
                                   "forwards without prefetch (the remap runs in the forward)")
-
-    def on_prefetch_yield(self) -> None:
-        pass
-
-    def on_prefetch_end(self) -> None:
-        pass
 
     # ----------------------------------------------------------------- state
     def dynamic_stats(self) -> dict[str, int]:
