@@ -11,8 +11,7 @@ pytest.importorskip("tqdm")
 
 from recipes.dlrm import main as dlrm_main  # noqa: E402
 from recipes.dlrm.configs import PRESETS  # noqa: E402
-from recipes.dlrm.data import (PreprocessedSplit, load_metadata, preprocess_criteo_kaggle,  # noqa: E402
-                               synthetic_criteo, write_criteo_tsv)
+from recipes.dlrm.data import PreprocessedSplit, load_metadata, synthetic_criteo  # noqa: E402
 from recipes.dlrm.lr_schedule import LRSchedule  # noqa: E402
 from recipes.dlrm.model import DLRM, DLRMConfig, PlainLowRankCrossNet  # noqa: E402
 
@@ -22,21 +21,12 @@ ROWS = 12_000
 SMALL_CRITEO = synthetic_criteo(scale=1 / 4000, min_large=2000)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Small matmuls: on a busy 2-core box two intra-op threads spin against each other (measured 30x slower).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def criteo_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("criteo_format")
-    write_criteo_tsv(root / "train.txt", ROWS, SMALL_CRITEO.table_sizes, seed=3)
-    return preprocess_criteo_kaggle(root / "train.txt", root / "pre", config=SMALL_CRITEO, train_fraction=0.9,
-                                    val_fraction=0.1)
+def criteo_dir(tmp_path_factory, criteo_kaggle_dir):
+    return criteo_kaggle_dir(tmp_path_factory.mktemp("criteo_format"), ROWS, SMALL_CRITEO, seed=3)
 
 
 def _first_losses(data_dir, tmp_path, preset: str, steps: int, extra: list[str]) -> list[float]:

@@ -12,7 +12,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
 from cachedemb import optim  # noqa: E402
 from recipes.dlrm.configs import PRESETS  # noqa: E402
-from recipes.dlrm.data import PreprocessedSplit, preprocess_criteo_kaggle, synthetic_criteo, write_criteo_tsv  # noqa: E402
+from recipes.dlrm.data import PreprocessedSplit, synthetic_criteo  # noqa: E402
 from recipes.dlrm.lr_schedule import LRSchedule, set_learning_rates  # noqa: E402
 from recipes.dlrm.model import DLRM, DLRMConfig  # noqa: E402
 
@@ -23,21 +23,12 @@ BATCH = 256
 CONFIG = synthetic_criteo(scale=1 / 400, min_large=2000)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Small matmuls: on a busy 2-core box two intra-op threads spin against each other (measured 30x slower).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parity")
-    write_criteo_tsv(root / "train.txt", ROWS, CONFIG.table_sizes, seed=5)
-    return preprocess_criteo_kaggle(root / "train.txt", root / "pre", config=CONFIG, train_fraction=0.9,
-                                    val_fraction=0.1)
+def data_dir(tmp_path_factory, criteo_kaggle_dir):
+    return criteo_kaggle_dir(tmp_path_factory.mktemp("parity"), ROWS, CONFIG, seed=5)
 
 
 def _kjt(sparse: torch.Tensor, names) -> KeyedJaggedTensor:
