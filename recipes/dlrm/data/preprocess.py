@@ -24,7 +24,6 @@ import math
 import os
 import shutil
 import tempfile
-import zlib
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -83,20 +82,7 @@ def dense_transform(raw: np.ndarray) -> np.ndarray:
 
 def count_lines(path: str | os.PathLike) -> int:
     """Number of lines in a file, counting a final line without ``\\n``; reads 16 MiB at a time."""
-    n = 0
-    last = b"\n"
-    with open_binary(path) as f:
-        while True:
-            try:
-                block = f.read(1 << 24)
-            except (EOFError, OSError, zlib.error) as exc:
-                raise ValueError(f"{os.fspath(path)}: line {n + 1}: the compressed stream is truncated or corrupt "
-                                 f"({exc}); expected a complete gzip file (re-download or re-compress it)") from exc
-            if not block:
-                break
-            n += block.count(b"\n")
-            last = block[-1:]
-    return n + (last != b"\n")
+    return parallel.count_unit(parallel.Unit(os.fspath(path), 0, None, False))
 
 
 def _check_config(config: DatasetConfig) -> None:
