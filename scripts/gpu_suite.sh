@@ -1,21 +1,66 @@
 #!/usr/bin/env bash
-# One call on a CUDA machine (offline, torch + triton preinstalled): install the tree, run the GPU tests and every
-# benchmark, and write JSON/logs under ${OUT:-benchmarks/results/gpu}. Usage: bash scripts/gpu_suite.sh
+# The GPU tests and every benchmark on a CUDA machine (offline, torch + triton preinstalled), in stages that each
+# fit one call of a lent machine (600 s a command); JSON/logs go under ${OUT:-benchmarks/results/gpu}.
+#
+#   bash scripts/gpu_suite.sh STAGE [STAGE...]     run these stages in order (each installs the tree first)
+#   bash scripts/gpu_suite.sh all                  every stage in order (where no per-call limit applies)
+#   bash scripts/gpu_suite.sh                      print the stages
+#
+# Stages and their time limits (the limits of one stage sum to < 600 s, install included):
+#   tests    the whole test suite: GPU-only tests and the kernels' CUDA cases run    (420 s)
+#   kernels  bench_kernels.py, zero-copy and staged row copies                        (120 + 120 s)
+#   step     bench_embedding_bag.py at 20M rows, without and with prefetch            (150 + 150 s)
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-out="${OUT:-$root/benchmarks/results/gpu}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || cat "$out/install.log"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/device.txt" 2>&1
-# The whole suite: GPU-only tests and the kernels' CUDA cases run; interpreter-only cases skip themselves.
-# xdist workers share the 16 cores: keep each to 2 threads (oversubscription made CPU tests time out).
-xdist=""; python3 -c "import xdist" 2>/dev/null && xdist="-n 8" && export OMP_NUM_THREADS=2 MKL_NUM_THREADS=2
-timeout 420 python3 -m pytest -q -rs $xdist -p no:cacheprovider --timeout 240 tests 2>&1 | tee "$out/tests.log" | tail -n 15
-timeout 120 python3 scripts/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -n 3
-CACHEDEMB_ROW_COPY=staged timeout 120 python3 scripts/bench_kernels.py --out "$out/kernels_staged.json" 2>&1 | tail -n 3
-# 1% caches: at 20M rows the 200k-row cache holds a batch's ~135k distinct ids (at 1M rows it cannot).
-timeout 150 python3 scripts/bench_embedding_bag.py --rows 20000000 --steps 12 --warmup 4 --out "$out/embedding_bag_step.json" 2>&1 | tail -n 12
-timeout 150 python3 scripts/bench_embedding_bag.py --rows 20000000 --steps 12 --warmup 4 --prefetch 4 --skip-reference --out "$out/embedding_bag_step_prefetch.json" 2>&1 | tail -n 8
+STAGES=(tests kernels step)
+
+usage() {
+    sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+}
+
+setup() {
+    out="${OUT:-$root/benchmarks/results/gpu}"
+    mkdir -p "$out"
+    export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+    python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || cat "$out/install.log"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/device.txt" 2>&1
+}
+
+stage_tests() {
+    # Interpreter-only cases skip themselves. xdist workers share the 16 cores: keep each to 2 threads
+    # (oversubscription made CPU tests time out).
+    local xdist=""
+    python3 -c "import xdist" 2>/dev/null && xdist="-n 8" && export OMP_NUM_THREADS=2 MKL_NUM_THREADS=2
+    timeout 420 python3 -m pytest -q -rs $xdist -p no:cacheprovider --timeout 240 tests 2>&1 | tee "$out/tests.log" | tail -n 15
+}
+
+stage_kernels() {
+    timeout 120 python3 scripts/bench_kernels.py --out "$out/kernels.json" 2>&1 | tail -n 3
+    CACHEDEMB_ROW_COPY=staged timeout 120 python3 scripts/bench_kernels.py --out "$out/kernels_staged.json" 2>&1 | tail -n 3
+}
+
+stage_step() {
+    # 1% caches: at 20M rows the 200k-row cache holds a batch's ~135k distinct ids (at 1M rows it cannot).
+    timeout 150 python3 scripts/bench_embedding_bag.py --rows 20000000 --steps 12 --warmup 4 --out "$out/embedding_bag_step.json" 2>&1 | tail -n 12
+    timeout 150 python3 scripts/bench_embedding_bag.py --rows 20000000 --steps 12 --warmup 4 --prefetch 4 --skip-reference --out "$out/embedding_bag_step_prefetch.json" 2>&1 | tail -n 8
+}
+
+if [ $# -eq 0 ]; then
+    usage
+    exit 0
+fi
+todo=()
+for arg in "$@"; do
+    case "$arg" in
+        all) todo+=("${STAGES[@]}") ;;
+        tests|kernels|step) todo+=("$arg") ;;
+        *) echo "unknown stage '$arg': expected one of ${STAGES[*]} or all" >&2; usage >&2; exit 2 ;;
+    esac
+done
+setup
+for stage in "${todo[@]}"; do
+    echo "== stage $stage"
+    "stage_$stage"
+done
 echo "results in $out"; ls -la "$out"
