@@ -39,11 +39,12 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from cachedemb.cache import EmbeddingCache
-from cachedemb.dynamic_index import _GOLDEN, IdIndex, _i64, _lsr, mix64
+from cachedemb.dynamic_index import _GOLDEN, _MIX1, _MIX2, IdIndex, _i64, mix64
 from cachedemb.dynamic_keyed import KeyedEmbeddingBag
 from cachedemb.optim import SparseOptimizer
 
@@ -52,19 +53,55 @@ UNADMITTED = ("zero", "shared")
 
 def initial_rows(seed: int, ids: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[n, dim] N(0, 1) rows (nn.EmbeddingBag's init) as a pure function of (seed, id): a splitmix64 stream
-    keyed by the id, pairs of 53-bit uniforms through Box-Muller, computed in float64 on the host."""
+    keyed by the id, pairs of 53-bit uniforms through Box-Muller, computed in float64 on the host.
+
+    The same values, bit for bit, as `cachedemb.dynamic_naive.initial_rows_reference` (the formulation written
+    out op by op); this one works in place on two [n, 2P] buffers, which halves its time on admission-heavy
+    steps (tests/test_dynamic.py compares the two)."""
     ids = ids.reshape(-1).to(device="cpu", dtype=torch.int64)
+    n, pairs = ids.numel(), (dim + 1) // 2
     seed_key = mix64(torch.tensor([_i64(seed)], dtype=torch.int64) + _GOLDEN)
     key = mix64(ids + seed_key)  # [n]
-    pairs = (dim + 1) // 2
     counter = torch.arange(1, 2 * pairs + 1, dtype=torch.int64) * _GOLDEN  # [2P]
-    bits = mix64(key[:, None] + counter[None, :])  # [n, 2P]
-    unit = _lsr(bits, 11).to(torch.float64) * 2.0 ** -53  # [0, 1)
-    u1, u2 = 1.0 - unit[:, 0::2], unit[:, 1::2]  # u1 in (0, 1]
-    radius = torch.sqrt(-2.0 * torch.log(u1))
-    angle = (2.0 * math.pi) * u2
-    z = torch.stack([radius * torch.cos(angle), radius * torch.sin(angle)], dim=2).reshape(ids.numel(), 2 * pairs)
-    return z[:, :dim].to(dtype)
+    bits = torch.add(key[:, None], counter[None, :])  # [n, 2P]
+    _mix64_(bits, torch.empty_like(bits))
+    bits.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)  # the top 53 bits (a logical shift)
+    unit = bits.to(torch.float64).mul_(2.0 ** -53).view(n, pairs, 2)  # [n, P, 2] in [0, 1)
+    radius = torch.rsub(unit[:, :, 0], 1.0).log_().mul_(-2.0).sqrt_()  # u1 = 1 - unit in (0, 1]
+    angle = unit[:, :, 1].mul(2.0 * math.pi)
+    z = torch.empty(n, pairs, 2, dtype=torch.float64)
+    torch.mul(radius, torch.cos(angle), out=z[:, :, 0])
+    torch.mul(radius, angle.sin_(), out=z[:, :, 1])
+    return z.view(n, 2 * pairs)[:, :dim].to(dtype)
+
+
+def _mix64_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """mix64 of x in place (`scratch`: a buffer of x's shape and dtype)."""
+    for shift, mult in ((30, _MIX1), (27, _MIX2), (31, None)):
+        torch.bitwise_right_shift(x, shift, out=scratch).bitwise_and_((1 << (64 - shift)) - 1)
+        x.bitwise_xor_(scratch)
+        if mult is not None:
+            x.mul_(mult)
+    return x
+
+
+def _unique_sorted(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch.unique(ids, sorted=True, return_inverse=True, return_counts=True) of a 1-D int64 CPU tensor, through
+    numpy's argsort (faster on the host; the three results are fully determined, so they are the same)."""
+    a = ids.numpy()
+    n = a.size
+    if n == 0:
+        return ids.clone(), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    perm = np.argsort(a)
+    ordered = a[perm]
+    first = np.empty(n, dtype=bool)  # first of its run of equal ids
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    inverse = np.empty(n, dtype=np.int64)
+    inverse[perm] = np.cumsum(first) - 1
+    counts = np.diff(starts, append=n)
+    return torch.from_numpy(ordered[starts]), torch.from_numpy(inverse), torch.from_numpy(counts.astype(np.int64))
 
 
 @dataclass(frozen=True)
@@ -204,6 +241,8 @@ class DynamicEmbeddingBag(nn.Module):
         cache.reread_rows(rows if maybe_cached is None else rows[maybe_cached])
 
     def _zero_unadmitted(self) -> None:
+        """With unadmitted="zero": rewrite the unadmitted row to zero if a training forward read it since (its
+        backward may have updated it). Not every step: the rewrite re-reads the row into the cache."""
         if self.config.unadmitted == "zero" and self._reset_unadmitted:
             row = torch.tensor([self.unadmitted_row])
             self._write_rows(row, torch.zeros(1, self.embedding_dim))
@@ -224,6 +263,9 @@ class DynamicEmbeddingBag(nn.Module):
                             f"{input.dtype if torch.is_tensor(input) else type(input).__name__}")
         flat = input.reshape(-1).to(device="cpu", dtype=torch.int64)
         rows = self._train_rows(flat) if train else self._rows(flat, train=False)
+        if train and not self._reset_unadmitted:
+            # This forward's backward updates the unadmitted row only if a lookup reads it (host rows: no sync).
+            self._reset_unadmitted = bool((rows == self.unadmitted_row).any())
         return rows.reshape(input.shape).to(input.device)
 
     def _train_rows(self, flat: torch.Tensor) -> torch.Tensor:
@@ -270,7 +312,7 @@ class DynamicEmbeddingBag(nn.Module):
         if self.padding_idx is not None:
             keep = flat != self.padding_idx
             ids = flat[keep]
-        uniq, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
+        uniq, inverse, counts = _unique_sorted(ids)
         if ahead:
             ttl = self.config.ttl_steps
             sweep = ttl is not None and self.step > 0 and self.step % ttl == 0
@@ -280,9 +322,9 @@ class DynamicEmbeddingBag(nn.Module):
         rows_u = self._admit(uniq, counts) if train else self._find(uniq)
         unadmitted = rows_u < 0
         if not peek:
-            self.stats["unadmitted_lookups"] += int(counts[unadmitted].sum())
+            self.stats["unadmitted_lookups"] += int(torch.where(unadmitted, counts, 0).sum())
         rows_u = torch.where(unadmitted, self.unadmitted_row, rows_u)
-        rows = rows_u[inverse]
+        rows = rows_u.index_select(0, inverse)
         if keep is not None:
             rows = torch.full_like(flat, self.pad_row).masked_scatter_(keep, rows)
         return rows
@@ -290,7 +332,7 @@ class DynamicEmbeddingBag(nn.Module):
     def _find(self, uniq: torch.Tensor) -> torch.Tensor:
         """Row of each id, -1 when it has none (read-only)."""
         slots = self.index.lookup(uniq)
-        return torch.where(slots >= 0, self.index.row[slots.clamp(min=0)], -1)
+        return torch.where(slots >= 0, self.index.row.index_select(0, slots.clamp(min=0)), -1)
 
     def _admit(self, uniq: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """A training forward's bookkeeping: sweep (every ttl_steps steps), count, admit, evict if full."""
@@ -300,17 +342,17 @@ class DynamicEmbeddingBag(nn.Module):
         self.step += 1
         index.reserve(uniq.numel())
         slots = index.lookup(uniq)
-        new = slots < 0
-        if bool(new.any()):
+        new = (slots < 0).nonzero().squeeze(1)
+        if new.numel():
             version = index.version
-            slots[new] = index.insert(uniq[new])
+            slots.index_copy_(0, new, index.insert(uniq.index_select(0, new)))
             if index.version != version:
                 slots = index.lookup(uniq)
-            self.stats["ids_seen"] += int(new.sum())
-        index.count[slots] += counts
-        index.last[slots] = self.step
-        rows_u = index.row[slots]
-        want = torch.nonzero((rows_u < 0) & (index.count[slots] >= cfg.min_count)).reshape(-1)
+            self.stats["ids_seen"] += new.numel()
+        index.count.index_add_(0, slots, counts)  # slots are distinct (distinct ids)
+        index.last.index_fill_(0, slots, self.step)
+        rows_u = index.row.index_select(0, slots)
+        want = (rows_u < 0).logical_and_(index.count.index_select(0, slots) >= cfg.min_count).nonzero().squeeze(1)
         if want.numel():
             short = want.numel() - (cfg.capacity - self.admitted)
             if short > 0 and cfg.on_full != "reject":
@@ -323,16 +365,17 @@ class DynamicEmbeddingBag(nn.Module):
             rows = self.free_rows[self.n_free - k: self.n_free].flip(0)
             self.n_free -= k
             self._sync_row_slot()
-            index.row[slots[take]] = rows
-            self.row_ids[rows] = uniq[take]
-            self.row_slot[rows] = slots[take]
-            used = self.row_used[rows]
-            self.row_used[rows] = True
-            self._write_rows(rows, initial_rows(cfg.seed, uniq[take], self.embedding_dim), maybe_cached=used)
+            take_ids, take_slots = uniq.index_select(0, take), slots.index_select(0, take)
+            index.row.index_copy_(0, take_slots, rows)
+            self.row_ids.index_copy_(0, rows, take_ids)
+            self.row_slot.index_copy_(0, rows, take_slots)
+            used = self.row_used.index_select(0, rows)
+            self.row_used.index_fill_(0, rows, True)
+            self._write_rows(rows, initial_rows(cfg.seed, take_ids, self.embedding_dim), maybe_cached=used)
             self.stats["admitted"] += k
-            rows_u[take] = rows
-        self.row_step[rows_u[rows_u >= 0]] = self.step
-        self._reset_unadmitted = True  # a backward may update the unadmitted row
+            rows_u.index_copy_(0, take, rows)
+        admitted = rows_u >= 0
+        self.row_step.index_fill_(0, rows_u if bool(admitted.all()) else rows_u[admitted], self.step)
         return rows_u
 
     def _evict_for(self, need: int, in_batch: torch.Tensor) -> None:
@@ -401,8 +444,6 @@ class DynamicEmbeddingBag(nn.Module):
         train = self.training and torch.is_grad_enabled()
         self._zero_unadmitted()
         rows = self._remap(input, train)
-        if train:
-            self._reset_unadmitted = True  # this forward's backward may update the unadmitted row
         self.inner.training = self.training
         return self.inner(rows, offsets, per_sample_weights)
 

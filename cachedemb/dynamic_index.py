@@ -64,18 +64,21 @@ class IdIndex:
         return mix64(keys ^ _HASH_SALT) & self.mask
 
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
-        """Slot of each key, -1 if absent. At most max_disp + 1 rounds."""
+        """Slot of each key, -1 if absent. At most max_disp + 1 rounds; a round carries only the keys still
+        probing (their position in `keys`, home slot and key), gathered with index_select."""
         result = torch.full_like(keys, -1)
-        pending = torch.arange(keys.numel())
-        home = self.home(keys)
+        idx, home, want = None, self.home(keys), keys  # idx None: every key, in order
         for dist in range(self.max_disp + 1):
-            if pending.numel() == 0:
+            pos = (home + dist).bitwise_and_(self.mask) if dist else home
+            state = self.state.index_select(0, pos)
+            hit = (state == self.LIVE).logical_and_(self.keys.index_select(0, pos) == want)
+            h = hit.nonzero().squeeze(1)
+            result.index_copy_(0, h if idx is None else idx.index_select(0, h), pos.index_select(0, h))
+            go = hit.logical_or_(state == self.EMPTY).logical_not_().nonzero().squeeze(1)
+            if go.numel() == 0:
                 break
-            pos = (home[pending] + dist) & self.mask
-            state = self.state[pos]
-            hit = (state == self.LIVE) & (self.keys[pos] == keys[pending])
-            result[pending[hit]] = pos[hit]
-            pending = pending[~(hit | (state == self.EMPTY))]
+            idx = go if idx is None else idx.index_select(0, go)
+            home, want = home.index_select(0, go), want.index_select(0, go)
         return result
 
     def reserve(self, extra: int) -> None:
@@ -99,36 +102,38 @@ class IdIndex:
     def _try_insert(self, keys: torch.Tensor) -> torch.Tensor | None:
         n = keys.numel()
         slots = torch.full_like(keys, -1)
-        pending = torch.arange(n)
-        home = self.home(keys)
+        idx, home = torch.arange(n), self.home(keys)  # the keys still probing, in ascending position
         placed_all = []
         for dist in range(self.max_probe):
-            if pending.numel() == 0:
+            if idx.numel() == 0:
                 break
-            pos = (home[pending] + dist) & self.mask
-            free = self.state[pos] != self.LIVE
-            cand, cpos = pending[free], pos[free]
-            if cand.numel():
+            pos = (home + dist).bitwise_and_(self.mask)
+            state = self.state.index_select(0, pos)
+            free = (state != self.LIVE).nonzero().squeeze(1)
+            if free.numel():
+                cand, cpos = idx.index_select(0, free), pos.index_select(0, free)
                 # Several keys may reach one free slot in the same round: the lowest key position wins.
                 uniq_pos, inv = torch.unique(cpos, return_inverse=True)
-                winner = torch.full((uniq_pos.numel(),), n, dtype=torch.int64).scatter_reduce_(
-                    0, inv, cand, "amin")
-                won = cand == winner[inv]
-                wk, wp = cand[won], cpos[won]
-                self.used += int((self.state[wp] == self.EMPTY).sum())
-                self.keys[wp] = keys[wk]
-                self.state[wp] = self.LIVE
-                self.row[wp], self.count[wp], self.last[wp] = -1, 0, 0
-                slots[wk] = wp
-                placed_all.append(wk)
-                self.live += wk.numel()
+                if uniq_pos.numel() < cpos.numel():
+                    winner = torch.full((uniq_pos.numel(),), n, dtype=torch.int64).scatter_reduce_(
+                        0, inv, cand, "amin")
+                    won = (cand == winner.index_select(0, inv)).nonzero().squeeze(1)
+                    free, cand, cpos = free.index_select(0, won), cand.index_select(0, won), cpos.index_select(0, won)
+                self.used += int((state.index_select(0, free) == self.EMPTY).sum())
+                self.keys.index_copy_(0, cpos, keys.index_select(0, cand))
+                self.state.index_fill_(0, cpos, self.LIVE)
+                self.row.index_fill_(0, cpos, -1)
+                self.count.index_fill_(0, cpos, 0)
+                self.last.index_fill_(0, cpos, 0)
+                slots.index_copy_(0, cand, cpos)
+                placed_all.append(cand)
+                self.live += cand.numel()
                 self.max_disp = max(self.max_disp, dist)
-                done = torch.zeros(n, dtype=torch.bool)
-                done[wk] = True
-                pending = pending[~done[pending]]
-        if pending.numel():
+                keep = torch.ones(idx.numel(), dtype=torch.bool).index_fill_(0, free, False).nonzero().squeeze(1)
+                idx, home = idx.index_select(0, keep), home.index_select(0, keep)
+        if idx.numel():
             # Undo this call's inserts (keys stay absent), the caller grows the table and retries.
-            placed = torch.cat(placed_all) if placed_all else pending[:0]
+            placed = torch.cat(placed_all) if placed_all else idx[:0]
             self.remove(slots[placed])
             return None
         return slots

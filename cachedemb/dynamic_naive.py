@@ -1,14 +1,36 @@
 """Reference for cachedemb.dynamic: the same admission, eviction and ttl rules over a Python dict, with rows
 numbered freshly per admission (never reused), so "an evicted id that returns is a never-seen id" holds by
 construction. Tests and benchmarks pair it with a dense table (row 0: the unadmitted row, row 1: padding,
-admissions from 2 on)."""
+admissions from 2 on). `initial_rows_reference` is the initial-row generator written out op by op, as
+cachedemb.dynamic.initial_rows was first written (that one computes the same bits in place)."""
 from __future__ import annotations
 
+import math
 from collections import Counter
 
+import torch
+
 from cachedemb.dynamic import DynamicIds
+from cachedemb.dynamic_index import _GOLDEN, _i64, _lsr, mix64
 
 UNADMITTED_ROW, PAD_ROW = 0, 1
+
+
+def initial_rows_reference(seed: int, ids: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[n, dim]: row j of id i is pairs of 53-bit uniforms u = mix64(mix64(id + mix64(seed + G)) + k * G) >>> 11
+    (k = 1, 2, ...) through Box-Muller, z = sqrt(-2 log(1 - u_odd)) * (cos, sin)(2 pi u_even), in float64."""
+    ids = ids.reshape(-1).to(device="cpu", dtype=torch.int64)
+    seed_key = mix64(torch.tensor([_i64(seed)], dtype=torch.int64) + _GOLDEN)
+    key = mix64(ids + seed_key)  # [n]
+    pairs = (dim + 1) // 2
+    counter = torch.arange(1, 2 * pairs + 1, dtype=torch.int64) * _GOLDEN  # [2P]
+    bits = mix64(key[:, None] + counter[None, :])  # [n, 2P]
+    unit = _lsr(bits, 11).to(torch.float64) * 2.0 ** -53  # [0, 1)
+    u1, u2 = 1.0 - unit[:, 0::2], unit[:, 1::2]  # u1 in (0, 1]
+    radius = torch.sqrt(-2.0 * torch.log(u1))
+    angle = (2.0 * math.pi) * u2
+    z = torch.stack([radius * torch.cos(angle), radius * torch.sin(angle)], dim=2).reshape(ids.numel(), 2 * pairs)
+    return z[:, :dim].to(dtype)
 
 
 class NaiveDynamicIds:

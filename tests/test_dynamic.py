@@ -8,7 +8,7 @@ import torch
 import cachedemb
 from cachedemb import optim
 from cachedemb.dynamic import DynamicEmbeddingBag, DynamicIds, IdIndex, initial_rows, mix64
-from cachedemb.dynamic_naive import NaiveDynamicIds, PAD_ROW, UNADMITTED_ROW
+from cachedemb.dynamic_naive import NaiveDynamicIds, PAD_ROW, UNADMITTED_ROW, initial_rows_reference
 
 OPTIMIZERS = {
     "sgd": lambda: optim.SGD(lr=0.1),
@@ -188,6 +188,28 @@ def test_initial_rows_are_a_function_of_seed_and_id():
     assert not torch.equal(initial_rows(4, ids, 7), rows)
     big = initial_rows(0, torch.arange(20000), 8)
     assert abs(float(big.mean())) < 0.02 and abs(float(big.std()) - 1) < 0.02
+
+
+@pytest.mark.parametrize("dim", [1, 2, 5, 8, 64, 65])
+def test_initial_rows_bit_equal_to_reference(dim):
+    """The in-place generator gives the reference formulation's bits: adversarial ids (multiples of 2^32, equal
+    low 32 / 48 bits, int64 extremes, sign flips), a dense run, random int64s; several seeds; odd dims and row
+    counts, so vectorized loops run their tails."""
+    g = torch.Generator().manual_seed(dim)
+    k = torch.arange(-3000, 3001, dtype=torch.int64)
+    ids = torch.cat([torch.tensor(POOL), k << 32, (k << 48) | 0x1234, (k << 32) | 0xFFFFFFFF, -k, k - 2 ** 63,
+                     2 ** 63 - 1 - k.abs(), torch.arange(10_001),
+                     torch.randint(-2 ** 63, 2 ** 63 - 1, (20_003,), generator=g, dtype=torch.int64)])
+    ids = ids[: max(3001, 1_200_000 // dim)]
+    for seed in (0, -1, 2 ** 62 + 5):
+        for dtype in (torch.float32, torch.float64):
+            got, want = initial_rows(seed, ids, dim, dtype), initial_rows_reference(seed, ids, dim, dtype)
+            assert got.dtype == want.dtype == dtype and got.shape == want.shape == (ids.numel(), dim)
+            same = got.reshape(-1).view(torch.int32 if dtype == torch.float32 else torch.int64) == \
+                want.reshape(-1).view(torch.int32 if dtype == torch.float32 else torch.int64)
+            assert bool(same.all()), (seed, dtype, torch.nonzero(~same)[:5].reshape(-1).tolist())
+    for n in (0, 1, 3, 17):  # small row counts: no vectorized body at all
+        assert torch.equal(initial_rows(7, ids[:n], dim), initial_rows_reference(7, ids[:n], dim))
 
 
 def _mix64_python(x: int) -> int:
