@@ -4,8 +4,9 @@ from cachedemb.checkpoint import load_checkpoint, save_checkpoint
 from cachedemb.dynamic import DynamicEmbeddingBag, DynamicIds
 from cachedemb.collection import CachedEmbeddingBagCollection, TableConfig
 from cachedemb.embedding_bag import CachedEmbeddingBag
+from cachedemb.materialize import materialize
 from cachedemb.prefetch import prefetch
 
-__all__ = ["CachedEmbeddingBag", "CachedEmbeddingBagCollection", "DynamicEmbeddingBag", "DynamicIds", "TableConfig", "load_checkpoint", "optim",
-           "prefetch", "save_checkpoint"]
+__all__ = ["CachedEmbeddingBag", "CachedEmbeddingBagCollection", "DynamicEmbeddingBag", "DynamicIds", "TableConfig", "load_checkpoint",
+           "materialize", "optim", "prefetch", "save_checkpoint"]
 __version__ = "0.1.0"

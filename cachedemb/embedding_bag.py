@@ -17,6 +17,7 @@ from cachedemb.errors import (
     StaleTableWriteError,
 )
 from cachedemb.input_check import BagInput, normalize_bag_input
+from cachedemb.meta_init import MetaTable, TableInit, init_rows
 from cachedemb.optim import SparseOptimizer
 from cachedemb.policy import Policy
 
@@ -154,7 +155,7 @@ class CachedEmbeddingBag(nn.Module):
                  padding_idx: int | None = None, device=None, dtype=None, *, _freeze: bool = False, cache_ratio: float = 0.01, cache_rows: int | None = None, optimizer: SparseOptimizer | None = None,
                  id_freq: torch.Tensor | None = None, warmup_ratio: float = 0.7, policy: str | Policy = "lfu",
                  validate_inputs: bool = True, stats_history: int = 0, freq_halflife: int | None = None,
-                 count_in_eval: bool = False, dynamic=None):
+                 count_in_eval: bool = False, dynamic=None, _init: TableInit | None = None):
         super().__init__()
         self._check_args(num_embeddings, embedding_dim, max_norm, norm_type, mode, cache_ratio, cache_rows,
                          optimizer, warmup_ratio, _weight)
@@ -170,24 +171,65 @@ class CachedEmbeddingBag(nn.Module):
         dtype = dtype or (_weight.dtype if _weight is not None else torch.get_default_dtype())
         if dtype not in _TABLE_DTYPES:
             raise TypeError(f"dtype must be one of {', '.join(map(str, _TABLE_DTYPES))}, got {dtype}")
-        if device is None:
-            device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        device = self._resolve_device(device)
         capacity = int(cache_rows) if cache_rows is not None else math.ceil(cache_ratio * num_embeddings)
         capacity = max(1, min(capacity, num_embeddings))
-        table = nn.Parameter(self._host_table(_weight, dtype), requires_grad=optimizer is None and not _freeze)
         freq = self._check_id_freq(id_freq)
-        state_layout = optimizer.state_layout(embedding_dim) if optimizer is not None else {}
+        self._requires_grad = optimizer is None and not _freeze
+        # Fused mode: a zero-size tensor that requires grad makes autograd call our backward.
+        self._anchor = torch.zeros(0, requires_grad=True, device="cpu")
+        init = _init or TableInit.normal(self.padding_idx)
+        if device.type == "meta":
+            # Nothing allocated: to_empty()/reset_parameters(), cachedemb.materialize or shard() builds the table
+            # (shard() only each rank's rows, drawn as one process would have drawn them).
+            self.cache = MetaTable(self.num_embeddings, self.embedding_dim, dtype, capacity, policy, freq,
+                                   stats_history, freq_halflife, warmup_ratio, init)
+            self._set_table(nn.Parameter(torch.empty((self.num_embeddings, self.embedding_dim), dtype=dtype,
+                                                     device="meta"), requires_grad=self._requires_grad))
+            return
+        self._build(self._host_table(_weight, dtype, init), device, capacity, policy, freq, stats_history,
+                    freq_halflife, warmup_ratio)
+        self._init = init
+
+    def _build(self, host: torch.Tensor, device: torch.device, capacity: int, policy, freq, history, freq_halflife,
+               warmup_ratio) -> None:
+        """The table (`host`, in host memory) and its device cache."""
+        table = nn.Parameter(host, requires_grad=self._requires_grad)
+        state_layout = self.optimizer.state_layout(self.embedding_dim) if self.optimizer is not None else {}
         # The cache writes the table through its own alias (`.data`: a separate version counter), so the
         # Parameter's version moves only when the user (or a torch optimizer) writes it.
-        self.cache = EmbeddingCache(table.data, capacity, torch.device(device), state_layout, policy, freq,
-                                    history=stats_history, freq_halflife=freq_halflife)
+        self.cache = EmbeddingCache(table.data, capacity, device, state_layout, policy, freq, history=history,
+                                    freq_halflife=freq_halflife)
         self._set_table(table)
-        # Fused mode: a zero-size tensor that requires grad makes autograd call our backward.
-        self._anchor = torch.zeros(0, requires_grad=True)
         if freq is not None and warmup_ratio > 0:
-            hottest = min(int(warmup_ratio * capacity), num_embeddings)
+            hottest = min(int(warmup_ratio * capacity), self.num_embeddings)
             if hottest > 0:
                 self.cache.preload(torch.topk(freq, hottest, sorted=True).indices.sort().values)
+
+    @staticmethod
+    def _resolve_device(device) -> torch.device:
+        """An explicit device, else `meta` under `with torch.device("meta")`, else CUDA when there is one."""
+        if device is not None:
+            return torch.device(device)
+        default = torch.get_default_device() if hasattr(torch, "get_default_device") else torch.device("cpu")
+        if default.type == "meta":
+            return default
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+    @property
+    def is_meta(self) -> bool:
+        """Built on the meta device and not materialized yet: no table, no cache."""
+        return isinstance(self.cache, MetaTable)
+
+    def reset_parameters(self) -> None:
+        """Redraw the table as the constructor did (nn.EmbeddingBag's N(0, 1), padding row zeroed; a
+        collection's table: its init_fn); optimizer state is left as it is. Nothing to draw on meta."""
+        if self.is_meta:
+            return
+        self.cache.flush()
+        init_rows(self._init, self.num_embeddings, self.embedding_dim, self.cache.dtype, 0, self.num_embeddings,
+                  out=self.cache.host_weight)
+        self.cache.reload()
 
     # ----------------------------------------------------------------- construction helpers
     @staticmethod
@@ -237,7 +279,7 @@ class CachedEmbeddingBag(nn.Module):
             raise ValueError("id_freq must be non-negative counts")
         return freq.to(torch.int64).cpu()
 
-    def _host_table(self, weight, dtype) -> torch.Tensor:
+    def _host_table(self, weight, dtype, init: TableInit | None = None) -> torch.Tensor:
         """The full table in host memory, built in place: no transient second copy."""
         if weight is not None:
             weight = weight.detach()
@@ -248,10 +290,7 @@ class CachedEmbeddingBag(nn.Module):
             host.copy_(weight)
             return host
         host = pinned_empty((self.num_embeddings, self.embedding_dim), dtype)
-        host.normal_()  # nn.EmbeddingBag's init
-        if self.padding_idx is not None:
-            host[self.padding_idx].zero_()
-        return host
+        return init_rows(init, self.num_embeddings, self.embedding_dim, dtype, 0, self.num_embeddings, out=host)
 
     @classmethod
     def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, max_norm=None, norm_type=2.0,
@@ -276,6 +315,10 @@ class CachedEmbeddingBag(nn.Module):
         if self.mode == "max" and self.scale_grad_by_freq:
             raise ValueError("max mode does not support scaling the gradient by the frequency "
                              "(as nn.EmbeddingBag): use scale_grad_by_freq=False")
+        if self.is_meta:  # shapes only, as nn.EmbeddingBag on meta
+            return nn.functional.embedding_bag(
+                input, self._table, offsets, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.mode,
+                self.sparse, per_sample_weights, self.include_last_offset, self.padding_idx)
         if not getattr(self, "_shard_local", False):
             _refuse_unsharded_world()
         cache = self.cache
@@ -450,6 +493,8 @@ class CachedEmbeddingBag(nn.Module):
     def _hand_out_table(self) -> nn.Parameter:
         """`m.weight`: the full host table in id order. Cached updates are written back first and the next
         forward re-reads the cache from the table, so whatever the caller writes into it is seen and kept."""
+        if self.is_meta:
+            return self._table
         self.cache.flush()
         self._handed_out = True
         return self._table
@@ -511,6 +556,9 @@ class CachedEmbeddingBag(nn.Module):
         self.cache.reset_stats()
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.is_meta:  # shapes only (nn.Module's meta state_dict); optimizer state is made on materialization
+            destination[prefix + "weight"] = self._table if keep_vars else self._table.detach()
+            return
         self.cache.flush()
         destination[prefix + "weight"] = self._table if keep_vars else self._table.detach()
         if self.optimizer is not None:
@@ -554,7 +602,10 @@ class CachedEmbeddingBag(nn.Module):
     def _apply(self, fn, recurse=True):
         """`.to()/.cuda()/.cpu()` move the cache only: the host table never goes to the device.
         `.to(dtype)/.half()/.double()...` convert the table (and the cache, and the optimizer state where it
-        follows the table: float64 for a float64 table, else float32)."""
+        follows the table: float64 for a float64 table, else float32). From meta, `to_empty(device=...)` /
+        `.to(device)` allocate the table zeroed (`reset_parameters()` draws it) and the cache on that device."""
+        if self.is_meta:
+            return self._materialize(fn)
         probe = fn(torch.zeros(1, dtype=self.cache.dtype, device=self.cache.device))
         if probe.dtype != self.cache.dtype:
             if probe.dtype not in _TABLE_DTYPES:
@@ -570,6 +621,26 @@ class CachedEmbeddingBag(nn.Module):
             self._table.data = self.cache.host_weight
             self.cache.host_weight = self._table.data
         self._seen_version = self._table._version
+        return self
+
+    def _materialize(self, fn):
+        spec: MetaTable = self.cache
+        try:
+            probe = fn(torch.zeros(1, dtype=spec.dtype, device="meta"))
+        except NotImplementedError:  # .to(device) of a meta tensor, which torch refuses: nothing to copy
+            probe = fn(torch.zeros(1, dtype=spec.dtype, device="cpu"))
+        if probe.dtype not in _TABLE_DTYPES:
+            raise TypeError(f"CachedEmbeddingBag tables are {', '.join(map(str, _TABLE_DTYPES))}; "
+                            f"cannot convert to {probe.dtype}")
+        if probe.device.type == "meta":
+            spec.dtype = probe.dtype
+            self._table.data = torch.empty(tuple(self._table.shape), dtype=probe.dtype, device="meta")
+            return self
+        host = pinned_empty((self.num_embeddings, self.embedding_dim), probe.dtype)
+        host.zero_()
+        self._build(host, probe.device, spec.capacity, spec.policy, spec.id_freq, spec.history, spec.freq_halflife,
+                    spec.warmup_ratio)
+        self._init = spec.init
         return self
 
     def extra_repr(self) -> str:

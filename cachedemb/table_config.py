@@ -2,15 +2,13 @@
 EmbeddingBagConfig (duck-typed: torchrec is not imported)."""
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import partial
 
 import torch
-from torch import nn
 
 from cachedemb.dynamic import DynamicIds
+from cachedemb.meta_init import TableInit
 
 POOLINGS = ("sum", "mean")
 DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}  # torchrec DataType names
@@ -112,12 +110,16 @@ class TableConfig:
         return cls(config.name, config.num_embeddings, config.embedding_dim, tuple(config.feature_names), pooling,
                    dtype, init_fn, dynamic)
 
+    def table_init(self) -> TableInit:
+        """How this table's rows are drawn: `init_fn`, else torchrec's default U(+-sqrt(1 / num_embeddings))."""
+        if self.init_fn is not None:
+            return TableInit(self.init_fn, elementwise=False)
+        return TableInit.uniform(self.num_embeddings)
+
     def initialize(self, rows: torch.Tensor) -> None:
         """Fill this table's full rows in place with `init_fn` (torchrec's default without one)."""
-        bound = math.sqrt(1.0 / self.num_embeddings)
-        init = self.init_fn or partial(nn.init.uniform_, a=-bound, b=bound)
         with torch.no_grad():
-            init(rows)
+            self.table_init().fill(rows)
 
 
 __all__ = ["TableConfig", "POOLINGS", "DTYPES", "TABLE_DTYPES"]

@@ -17,6 +17,7 @@ from cachedemb.distributed.sharded_bag import ShardedEmbeddingBag
 from cachedemb.distributed.sharded_collection import ShardedEmbeddingBagCollection
 from cachedemb.distributed.sharded_dynamic import gather_dynamic_state_dict, shard_dynamic_tables
 from cachedemb.embedding_bag import CachedEmbeddingBag
+from cachedemb.materialize import materialize_dense, meta_walk
 
 
 class DistributedModelParallel(nn.Module):
@@ -96,6 +97,8 @@ def _tables(modules: dict[str, nn.Module]) -> dict[str, tuple[int, int, int, flo
         if isinstance(m, CachedEmbeddingBagCollection):
             for t in m.tables:
                 specs[_table_key(name, t.name)] = (t.num_embeddings, t.embedding_dim, t.dtype.itemsize, 0.0)
+        elif m.is_meta:
+            specs[name] = (m.num_embeddings, m.embedding_dim, m.cache.dtype.itemsize, m.cache.expected_lookups())
         else:
             cache = m.cache
             lookups = float(cache.host_freq.sum()) / max(1, cache.train_batches)
@@ -121,6 +124,8 @@ def shard(model: nn.Module, plan: ShardingPlan | dict | None = None, process_gro
     """Shard every CachedEmbeddingBag of `model` over the ranks of `process_group` (default: the world) and
     wrap the dense rest in DDP. Called by every rank with the same model (same values: seed it the same way);
     each rank keeps its shard of each table's current rows and optimizer state, then drops the rest.
+    A model built on the meta device is allocated here, in module order, with the values one process would
+    draw for it (`cachedemb.materialize(model)`): each rank allocates only its rows of each table.
     `plan`: a ShardingPlan, its `to_dict()`, or a dict {module path: TableSharding}; default `plan_for`."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("cachedemb.distributed.shard needs torch.distributed initialized "
@@ -130,6 +135,7 @@ def shard(model: nn.Module, plan: ShardingPlan | dict | None = None, process_gro
                         "dense part in DDP itself (DDP would not see the cached tables' rows)")
     group = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
+    meta_dense = {path: m for path, m, cached in meta_walk(model) if not cached}  # refuses before any change
     model = shard_dynamic_tables(model, group)  # DynamicEmbeddingBags: ids hashed to owner ranks
     modules = _cached_modules(model)
     if plan is None:
@@ -150,12 +156,17 @@ def shard(model: nn.Module, plan: ShardingPlan | dict | None = None, process_gro
     if extra:
         raise ValueError(f"the plan names {extra}, which are not cached tables of the model (found {sorted(tables)})")
     device = _local_device(modules)
-    for name, m in modules.items():
+    # Module order (as materialize()): meta tables and meta dense modules draw their values in turn.
+    for path, m in list(model.named_modules()):
+        if path in meta_dense:
+            materialize_dense(m, device or torch.device("cpu"))
+        if path not in modules:
+            continue
         if isinstance(m, CachedEmbeddingBagCollection):
-            shardings = {t.name: plan.tables[_table_key(name, t.name)] for t in m.tables}
-            model = _replace(model, name, ShardedEmbeddingBagCollection(m, shardings, group, device))
+            shardings = {t.name: plan.tables[_table_key(path, t.name)] for t in m.tables}
+            model = _replace(model, path, ShardedEmbeddingBagCollection(m, shardings, group, device))
         else:
-            model = _replace(model, name, ShardedEmbeddingBag(m, plan.tables[name], group, device))
+            model = _replace(model, path, ShardedEmbeddingBag(m, plan.tables[path], group, device))
     ranks = dist.get_process_group_ranks(group) if group is not dist.group.WORLD else list(range(world))
     dense_group = dist.new_group(ranks, use_local_synchronization=True)  # only the group's ranks call shard()
     return DistributedModelParallel(model, plan, group, dense_group)
@@ -167,7 +178,9 @@ def _local_device(modules) -> torch.device | None:
 
     caches = [b.cache for m in modules.values() for b in (m.bags if isinstance(m, CachedEmbeddingBagCollection)
                                                           else [m])]
-    if any(c.device.type == "cuda" for c in caches):
+    meta = any(isinstance(m, CachedEmbeddingBagCollection) and not m.bags for m in modules.values())
+    if any(c.device.type == "cuda" for c in caches) or (torch.cuda.is_available() and (
+            meta or any(c.device.type == "meta" for c in caches))):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return None
 

@@ -35,7 +35,9 @@ from torch import nn
 from cachedemb.distributed.exchange import AllToAllRows, LocalSliceOfReplicated, all_to_all, exchange_counts
 from cachedemb.distributed.plan import ShardingType, TableSharding
 from cachedemb.embedding_bag import CachedEmbeddingBag
+from cachedemb.cache import pinned_empty
 from cachedemb.input_check import normalize_bag_input
+from cachedemb.meta_init import init_rows
 
 
 def lookups_with_bags(ids: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None, pad_id):
@@ -50,27 +52,49 @@ def lookups_with_bags(ids: torch.Tensor, offsets: torch.Tensor, psw: torch.Tenso
 
 
 def local_shard(module: CachedEmbeddingBag, start: int, end: int, device: torch.device, pooling: str,
-                ) -> CachedEmbeddingBag:
+                ) -> CachedEmbeddingBag | None:
     """A CachedEmbeddingBag over rows [start, end) of `module` (their current values and optimizer state),
-    ids local to the range, bags given with the end offset, padding already dropped."""
-    module.flush()
-    cache = module.cache
+    ids local to the range, bags given with the end offset, padding already dropped; None for an empty range.
+    A module on the meta device gets the rows one process would draw for it (`cachedemb.materialize`): every
+    rank replays the table's whole random stream, keeping its rows (even none), so generators stay in step."""
     rows = end - start
-    capacity = max(1, min(rows, math.ceil(cache.capacity * rows / module.num_embeddings)))
-    table = module._table
+    if module.is_meta:
+        spec = module.cache
+        weight = init_rows(spec.init, module.num_embeddings, module.embedding_dim, spec.dtype, start, end,
+                           out=pinned_empty((rows, module.embedding_dim), spec.dtype))
+        freq = spec.id_freq[start:end].clone() if spec.id_freq is not None else None
+        capacity, policy, dtype, warmup = spec.capacity, spec.policy, spec.dtype, spec.warmup_ratio
+    else:
+        module.flush()
+        cache = module.cache
+        weight = cache.host_weight[start:end].clone() if rows else None
+        freq = cache.host_freq[start:end].clone() if rows else None
+        capacity, policy, dtype, warmup = cache.capacity, cache.policy, cache.dtype, 0.7
+    if rows == 0:
+        return None
     shard = CachedEmbeddingBag(
         rows, module.embedding_dim, max_norm=module.max_norm, norm_type=module.norm_type,
-        scale_grad_by_freq=module.scale_grad_by_freq, mode=pooling, sparse=module.sparse,
-        _weight=cache.host_weight[start:end].clone(), include_last_offset=True, device=device, dtype=cache.dtype,
-        _freeze=module.optimizer is None and not table.requires_grad, cache_rows=capacity,
-        optimizer=module.optimizer, id_freq=cache.host_freq[start:end].clone(), policy=cache.policy,
-        validate_inputs=False)
-    for name, state in cache.host_states.items():
-        shard.cache.host_states[name].copy_(state[start:end])
-    shard.optimizer_step = module.optimizer_step
-    shard.cache.reload()
+        scale_grad_by_freq=module.scale_grad_by_freq, mode=pooling, sparse=module.sparse, _weight=weight,
+        include_last_offset=True, device=device, dtype=dtype,
+        _freeze=module.optimizer is None and not module._table.requires_grad,
+        cache_rows=max(1, min(rows, math.ceil(capacity * rows / module.num_embeddings))),
+        optimizer=module.optimizer, id_freq=freq, warmup_ratio=warmup, policy=policy, validate_inputs=False)
+    if not module.is_meta:
+        for name, state in module.cache.host_states.items():
+            shard.cache.host_states[name].copy_(state[start:end])
+        shard.optimizer_step = module.optimizer_step
+        shard.cache.reload()
     shard._shard_local = True
     return shard
+
+
+def _default_cache_device() -> torch.device:
+    """Where a meta module's shard keeps its cache: this rank's GPU (LOCAL_RANK) when there is one."""
+    import os
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
 
 
 @dataclass
@@ -118,9 +142,9 @@ class ShardedEmbeddingBag(nn.Module):
         self._owner_by_row = torch.tensor(by_row, dtype=torch.int64)
         self._owner_ends = torch.tensor([sharding.ranges[r][1] for r in by_row], dtype=torch.int64)
         self._starts = torch.tensor([a for a, _ in sharding.ranges], dtype=torch.int64)
-        self.shard = (local_shard(module, self.row_start, self.row_end, device or module.cache.device,
-                                  "max" if self.mode == "max" else "sum")
-                      if self.row_end > self.row_start else None)
+        if device is None:
+            device = module.cache.device if not module.is_meta else _default_cache_device()
+        self.shard = local_shard(module, self.row_start, self.row_end, device, "max" if self.mode == "max" else "sum")
         self._prefetched: deque[ExchangedInput] = deque()  # exchanged ahead by cachedemb.prefetch, in order
         self._armed = False
 

@@ -14,6 +14,8 @@ gather_full_state_dict returns what the unsharded collection loads.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -25,9 +27,19 @@ from cachedemb.embedding_bag import CachedEmbeddingBag
 
 
 def _table_module(collection: CachedEmbeddingBagCollection, index: int) -> CachedEmbeddingBag:
-    """A standalone CachedEmbeddingBag holding table `index`'s current rows and optimizer state."""
+    """A standalone CachedEmbeddingBag holding table `index`'s current rows and optimizer state; for a
+    collection on the meta device, a meta one drawn as the collection's `reset_parameters()` draws it."""
     t = collection.tables[index]
     g, _ = collection._table_group[index]
+    if not collection.bags:
+        kw = collection._bag_kwargs
+        group_rows = collection._groups[g].rows
+        capacity = kw["cache_rows"] if kw["cache_rows"] is not None else math.ceil(kw["cache_ratio"] * group_rows)
+        module = CachedEmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling, device="meta",
+                                    dtype=t.dtype, cache_rows=max(1, min(t.num_embeddings, capacity)),
+                                    optimizer=kw["optimizer"], warmup_ratio=0.0, _init=t.table_init())
+        module._shard_local = True
+        return module
     group_bag = collection.bags[g]
     state = {}
     collection._save_table(index, state, "")
@@ -47,8 +59,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def __init__(self, collection: CachedEmbeddingBagCollection, shardings: dict[str, TableSharding], group=None,
                  device=None):
         super().__init__()
-        if not collection.bags:
-            raise ValueError("shard a materialized collection (to_empty()/reset_parameters() a meta one first)")
         self.tables = list(collection.tables)
         self.embedding_names = list(collection.embedding_names)
         self.hash_ids = collection.hash_ids
