@@ -9,6 +9,11 @@ only the ids it owns, and a fresh sharded model loaded from the single-process s
 Capacity eviction is per rank: each rank's rows stay within ceil(capacity / 2), and its state equals a
 single-process table of that capacity trained on its own ids of the global batches. unadmitted="shared" and a
 dynamic table in a collection are refused.
+
+A second job: cachedemb.prefetch over the sharded tables (depth 2, horizon 3) against the same training without
+it: outputs every step and the gathered state bit-equal, stats equal, two batches exchanged and remapped by
+their owners ahead of each step, capacity eviction while batches are in flight, an eval forward inside the loop;
+then a loop left early followed by a new loop and plain forwards, and the refusal of a forward of another batch.
 """
 import pytest
 import torch
@@ -33,9 +38,9 @@ TABLES = {  # name: (mode, optimizer, DynamicIds, padding_idx, per-sample weight
 }
 
 
-def _bag(name, mode, optimizer, cfg, padding_idx):
+def _bag(name, mode, optimizer, cfg, padding_idx, cache_rows=8):
     return _reference(DynamicEmbeddingBag(None, D, mode=mode, optimizer=optimizer(), dynamic=cfg,
-                                          padding_idx=padding_idx, cache_rows=8))
+                                          padding_idx=padding_idx, cache_rows=cache_rows))
 
 
 def _reference(module):
@@ -161,3 +166,100 @@ def _job(rank: int, world: int):
 
 def test_sharded_dynamic_equals_single_process_world2():
     assert run_spawned(_job, WORLD, timeout_s=60) == [True] * WORLD
+
+
+# ----------------------------------------------------------------- prefetch
+PF_STEPS = 6
+PF_TABLES = {  # sum with padding, per-sample weights, min_count 2, ttl; max with capacity eviction (held rows)
+    "s": TABLES["s"],
+    "e": ("max", lambda: cachedemb.optim.Adagrad(lr=0.2), DynamicIds(capacity=10, on_full="evict_lru", seed=6),
+          None, False),
+}
+
+
+class PrefetchModel(nn.Module):
+    """Dynamic tables with the prefetch protocol a user model defines for its batches."""
+
+    def __init__(self):
+        super().__init__()
+        # 32 cache rows (16 a rank): a window of two batches fits, so every batch is served by one.
+        self.tables = nn.ModuleDict({n: _bag(n, mode, opt, cfg, pad, cache_rows=32)
+                                     for n, (mode, opt, cfg, pad, _) in PF_TABLES.items()})
+
+    def forward(self, batch):
+        return {n: self.tables[n](*args) for n, (args, _) in batch.items()}
+
+    def prefetch_targets(self, batch):
+        return [t for n, (args, _) in batch.items() for t in self.tables[n].prefetch_targets(args)]
+
+
+def _pf_batches(rank: int) -> list[dict]:
+    return [{n: _local(_global_batch(10 + step, n, PF_TABLES[n][4]), rank)[:2] for n in PF_TABLES}
+            for step in range(PF_STEPS)]
+
+
+def _pf_train(model, batches, it, log):
+    for batch in it:
+        out = model(batch)
+        sum(((out[n] * target).sum() for n, (_, target) in batch.items()), torch.zeros(())).backward()
+        log.append({n: o.detach().clone() for n, o in out.items()})
+        if len(log) == 3:  # an eval forward inside the loop: exchanges its own batch, takes nothing queued
+            with torch.no_grad():
+                model({n: (args, None) for n, (args, _) in batches[0].items()})
+        yield {n: (len(model.module.tables[n]._prefetched), len(model.module.tables[n].shard.ahead))
+               for n in PF_TABLES}
+
+
+def _prefetch_job(rank: int, world: int):
+    batches = _pf_batches(rank)
+    runs = {}
+    for use_prefetch in (False, True):
+        torch.manual_seed(0)
+        model = shard(PrefetchModel())
+        it = cachedemb.prefetch(batches, [model], depth=2, horizon=3) if use_prefetch else batches
+        log = []
+        queued = list(_pf_train(model, batches, it, log))
+        runs[use_prefetch] = (log, gather_full_state_dict(model), model)
+        if use_prefetch:
+            # Horizon 3: while batch i trains, batches i+1, i+2 are exchanged and remapped by their owners.
+            assert [q["s"] for q in queued] == [(2, 2)] * (PF_STEPS - 2) + [(1, 1), (0, 0)], (rank, queued)
+            assert sum(it.window_batches) == PF_STEPS, it.window_batches
+    (off_log, off_state, off_model), (on_log, on_state, on_model) = runs[False], runs[True]
+    for step, (a, b) in enumerate(zip(off_log, on_log)):
+        for n in PF_TABLES:
+            torch.testing.assert_close(b[n], a[n], atol=0, rtol=0, msg=lambda m: f"step {step} {n} rank {rank}: {m}")
+    for n in PF_TABLES:  # the eval forward saw the admissions of batches read ahead: its lookups aside
+        on_stats, off_stats = on_model.module.tables[n].dynamic_stats(), off_model.module.tables[n].dynamic_stats()
+        on_stats.pop("unadmitted_lookups"), off_stats.pop("unadmitted_lookups")
+        assert on_stats == off_stats, (n, rank, on_stats, off_stats)
+    assert on_model.module.tables["e"].dynamic_stats()["evicted"] > 0, "no capacity eviction under prefetch"
+    if rank == 0:
+        _compare_states(on_state, off_state, "prefetch on vs off")
+        for key, value in off_state.items():  # bit-equal, not only close
+            assert torch.equal(on_state[key], value), key
+
+    # A loop left early: its exchanges are dropped (its read-ahead batches stay counted, as in one process), a
+    # new loop and plain training forwards go on, in step on both ranks.
+    torch.manual_seed(0)
+    model = shard(PrefetchModel())
+    for i, batch in enumerate(cachedemb.prefetch(batches, [model], depth=2, horizon=3)):
+        model(batch)["s"].sum().backward()
+        if i == 1:
+            break
+    for batch in cachedemb.prefetch(batches[2:4], [model], depth=2, horizon=3):
+        model(batch)["s"].sum().backward()
+    assert all(len(model.module.tables[n]._prefetched) == 0 for n in PF_TABLES)
+    out = model(batches[4])
+    sum(o.sum() for o in out.values()).backward()
+    assert all(bool(torch.isfinite(o).all()) for o in out.values())
+    # A training forward of another batch than the one read ahead is refused (it would desynchronize ranks).
+    it = iter(cachedemb.prefetch(batches, [model], depth=2, horizon=3))
+    next(it)
+    with pytest.raises(RuntimeError, match="another batch than the one read ahead"):
+        model(batches[1])
+    it.close()
+    return True
+
+
+def test_sharded_dynamic_prefetch_on_vs_off_world2():
+    assert run_spawned(_prefetch_job, WORLD, timeout_s=60) == [True] * WORLD

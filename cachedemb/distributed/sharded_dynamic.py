@@ -25,13 +25,18 @@ the float order of the pooled sums, while no rank's capacity is exceeded; capaci
 State: `state_dict()` is this rank's part, keyed by id as DynamicEmbeddingBag's; `load_state_dict` takes a
 full (unsharded) or partial keyed state and keeps the ids this rank owns; `gather_dynamic_state_dict` (called
 by gather_full_state_dict) merges the ranks' parts into the single-process module's state_dict.
-Not supported (refused): unadmitted="shared" (one shared row would need an all-reduce), cachedemb.prefetch,
-dynamic tables inside a CachedEmbeddingBagCollection.
+Under `cachedemb.prefetch`, reading a batch ahead runs its raw-id exchange, and the owner's DynamicEmbeddingBag
+reads the ids it received ahead (counting, admission and eviction happen then, as in one process); the batch's
+training forward takes the queued exchange (checked to be its batch's), so training equals training without
+prefetch.
+Not supported (refused): unadmitted="shared" (one shared row would need an all-reduce), dynamic tables inside a
+CachedEmbeddingBagCollection.
 """
 from __future__ import annotations
 
 import math
 import os
+from collections import deque
 from dataclasses import replace
 
 import torch
@@ -54,6 +59,16 @@ def owner_rank(ids: torch.Tensor, world_size: int) -> torch.Tensor:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     return _lsr(mix64(ids.to(torch.int64) ^ _OWNER_KEY), 1) % world_size
+
+
+def _same(a, b) -> bool:
+    """The forward's argument is the one read ahead: the same tensor, or equal (shape; values when on the host,
+    so no device sync)."""
+    if a is b:
+        return True
+    if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape:
+        return False
+    return a.device.type != "cpu" or b.device.type != "cpu" or torch.equal(a, b)
 
 
 def _split_keyed(state: dict, prefix: str, keep_ids, keep_pending) -> dict:
@@ -116,6 +131,7 @@ class ShardedDynamicEmbeddingBag(nn.Module):
         shard.load_state_dict(self._owned(state, ""))
         shard.train(module.training)
         self.training = module.training
+        self._prefetched: deque = deque()  # [loop, (input, offsets, weights), ExchangedInput] read ahead
 
     def _owned(self, state: dict, prefix: str) -> dict:
         mine = lambda ids: owner_rank(ids, self.world_size) == self.rank  # noqa: E731
@@ -123,7 +139,10 @@ class ShardedDynamicEmbeddingBag(nn.Module):
 
     # ----------------------------------------------------------------- forward
     def forward(self, input, offsets=None, per_sample_weights=None):
-        return self.compute(self.input_dist(input, offsets, per_sample_weights))
+        exchanged = self._take_prefetched(input, offsets, per_sample_weights)
+        if exchanged is None:
+            exchanged = self.input_dist(input, offsets, per_sample_weights)
+        return self.compute(exchanged)
 
     def input_dist(self, input, offsets=None, per_sample_weights=None) -> ExchangedInput:
         """Raw ids to their owner ranks (collective: every rank calls it for its own batch, in the same order)."""
@@ -160,9 +179,61 @@ class ShardedDynamicEmbeddingBag(nn.Module):
         return ExchangedInput(input.numel(), n_bags, ids, bag_of, owner, bags.lead, bags.trail,
                               bags.last_bag_scale, recv_bags, recv[:, 0], local_offsets, recv_psw)
 
+    # ----------------------------------------------------------------- prefetch
     def prefetch_targets(self, batch) -> list:
-        raise NotImplementedError("cachedemb.prefetch over a sharded dynamic table is not supported yet: run its "
-                                  "forwards without prefetch (the remap runs in the forward)")
+        """`cachedemb.prefetch` protocol (collective: every rank reads its batches ahead in the same order).
+        Reading a batch ahead runs its raw-id all-to-all now; the owner's DynamicEmbeddingBag then reads the ids
+        it received ahead (in training mode it counts, admits and evicts for them now, as one process does under
+        prefetch) and returns its slab rows, so this rank's horizon and windows see the ids it owns. In training
+        mode the exchange is queued for the batch's training forward; in eval mode it only announces rows (an
+        eval forward exchanges its batch itself). `batch`: input tensor, (input, offsets[, weights]) tuple, or
+        dict with "input" (and "offsets", "per_sample_weights")."""
+        if isinstance(batch, dict):
+            args = (batch["input"], batch.get("offsets"), batch.get("per_sample_weights"))
+        elif isinstance(batch, (tuple, list)):
+            args = tuple(batch[:3]) + (None,) * (3 - len(batch[:3]))
+        else:
+            args = (batch, None, None)
+        if not torch.is_tensor(args[0]):
+            raise TypeError(f"cannot find ids in a {type(args[0]).__name__}: expected an id tensor, an "
+                            "(input, offsets[, per_sample_weights]) tuple or a dict with 'input'")
+        exchanged = self.input_dist(*args)
+        if self.training and torch.is_grad_enabled():
+            # Tagged with the loop that reads it: None while a loop fills its horizon (it owns the cache from
+            # its first yield on), retagged by that loop's first training forward.
+            self._prefetched.append([self._loop(), args, exchanged])
+        return self.shard.prefetch_targets(exchanged.local_ids)
+
+    def _loop(self):
+        """The prefetch loop running over this rank's shard cache (None: none, or one still filling)."""
+        return getattr(self.shard.cache, "prefetch_owner", None)
+
+    def _take_prefetched(self, input, offsets, per_sample_weights) -> ExchangedInput | None:
+        """A training forward inside a prefetch loop takes the oldest exchange read ahead, which must be its
+        batch's. Exchanges of a loop that has ended are dropped first (the owner's read-ahead batches stay
+        counted, as in one process). Every decision depends on the mode, the loops and the queue, the same on
+        every rank, so the collectives stay matched. Eval forwards exchange their own batch."""
+        if not (self.training and torch.is_grad_enabled()) or not self._prefetched:
+            return None
+        loop = self._loop()
+        if loop is None:  # the loop ended (left early): nothing it read ahead is consumed
+            self._prefetched.clear()
+            return None
+        while self._prefetched and self._prefetched[0][0] not in (None, loop):
+            self._prefetched.popleft()  # read ahead by an earlier loop, left early
+        for entry in self._prefetched:
+            if entry[0] is None:
+                entry[0] = loop
+        if not self._prefetched:
+            return None
+        _, (q_input, q_offsets, q_psw), exchanged = self._prefetched.popleft()
+        if not (_same(input, q_input) and _same(offsets, q_offsets) and _same(per_sample_weights, q_psw)):
+            raise RuntimeError(
+                "a training forward of a sharded dynamic table under cachedemb.prefetch got another batch than the "
+                "one read ahead for it (its raw-id exchange already ran): train on the prefetched batches in "
+                "order, in training mode when they are read ahead; close a prefetch loop you leave before its "
+                "first forward")
+        return exchanged
 
     # ----------------------------------------------------------------- state
     def dynamic_stats(self) -> dict[str, int]:
