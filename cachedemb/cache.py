@@ -46,6 +46,9 @@ class BatchPlan:
     n_uniq: torch.Tensor  # [1]
     loc_u: torch.Tensor  # [U] cache slot of each unique id; <= -2: its host row (HOST_LOC); -1 past n_uniq
     generation: int  # the cache generation the locations belong to
+    # (perm [B], ptr [B + 1]): the lookups grouped by unique position, from unique_ids' sort; the backward
+    # reduces each id's lookups in this order instead of sorting the inverse again (lookup_groups)
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -268,7 +271,7 @@ class EmbeddingCache:
         self._wait_for_window_rows()
         self.generation += 1
         self.batch_counter += 1
-        uniq, inverse, counts, n_uniq = kernels.unique_ids(ids, padding_idx)
+        uniq, inverse, counts, n_uniq, groups = kernels.unique_ids(ids, padding_idx, return_groups=True)
         # Per-unique buffers: exactly n long on CPU (free to know there), the fixed capacity B on CUDA.
         cap = self._on_host(n_uniq, n_lookups)
         uniq, counts = uniq[:cap], counts[:cap]
@@ -291,7 +294,7 @@ class EmbeddingCache:
             self.history[self.history_batches % self.history.shape[0]] = self.stats
         self.history_batches += 1
         self.seconds["prepare"] += time.perf_counter() - start
-        return BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation)
+        return BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation, groups)
 
     def _wait_for_window_rows(self) -> None:
         """A forward the prefetch pipeline did not announce, while a window transfer runs on a side stream: its

@@ -96,7 +96,8 @@ class _PooledLookup(torch.autograd.Function):
             extra = {"grad_scale_u": grad_scale} if grad_scale is not None else {}
             kernels.backward_update(cache.rows, [cache.states[k] for k in names], plan.loc_u, plan.n_uniq, grad_out,
                                     plan.inverse, bags.offsets, bags.mode, psw_values, ctx.max_pos, rule,
-                                    cache.host_weight, [cache.host_states[k] for k in names], **extra)
+                                    cache.host_weight, [cache.host_states[k] for k in names], groups=plan.groups,
+                                    **extra)
             cache.mark_dirty(plan)
             if owner._watched:
                 cache.write_through(plan)
@@ -443,7 +444,7 @@ class CachedEmbeddingBag(nn.Module):
         n = int(plan.n_uniq)
         extra = {"grad_scale_u": grad_scale} if grad_scale is not None else {}
         grad_u = kernels.bag_backward(grad_out, plan.inverse, bags.offsets, bags.mode, psw, max_pos, n_rows=n,
-                                      **extra)
+                                      groups=plan.groups, **extra)
         ids = plan.uniq[:n].to(table.device)
         values = grad_u[:n].to(device=table.device, dtype=table.dtype)
         if self.sparse:

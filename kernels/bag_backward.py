@@ -79,23 +79,24 @@ def _bag_backward_torch(grad_out, inverse, offsets, mode: int, per_sample_weight
 
 
 def unique_grad_torch(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None,
-                      grad_scale_u=None):
+                      grad_scale_u=None, groups=None):
     """grad_u for the live unique ids only ([n, D] in acc_dtype(grad_out.dtype); n read on the host), each row
     times grad_scale_u[j] when given. Sum/mean reduce each unique id's lookups with torch.embedding_bag over
-    grad_out (no [B, D] intermediate); max falls back to the reference."""
-    grad_u = _unique_grad_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
+    grad_out (no [B, D] intermediate), grouped by `groups` (perm, ptr) from unique_ids' sort, else by
+    `lookup_groups`; max falls back to the reference."""
+    grad_u = _unique_grad_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, groups)
     if grad_scale_u is None:
         return grad_u
     n = grad_u.shape[0]
     return grad_u * grad_scale_u[:n].to(device=grad_u.device, dtype=grad_u.dtype).unsqueeze(1)
 
 
-def _unique_grad_torch(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None):
+def _unique_grad_torch(grad_out, inverse, offsets, mode: int, per_sample_weights=None, max_pos=None, groups=None):
     if mode == MODE_MAX:
         grad_u = _bag_backward_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos)
         n = int(inverse.max()) + 1 if inverse.numel() else 0
         return grad_u[:n]
-    perm, ptr = lookup_groups(inverse)
+    perm, ptr = groups if groups is not None else lookup_groups(inverse)
     n = int((ptr[1:] > ptr[:-1]).sum())
     if n == 0:  # every lookup is padding: embedding_bag with no offsets but lookups writes out of bounds
         return grad_out.new_zeros(0, grad_out.shape[1], dtype=acc_dtype(grad_out.dtype))
@@ -114,8 +115,12 @@ def lookup_groups(inverse: torch.Tensor):
     `unique_ids(..., return_groups=True)` gives the same pair from the sort it already did."""
     n_lookups = inverse.numel()
     key = torch.where(inverse >= 0, inverse, torch.full_like(inverse, n_lookups))
-    sorted_key, perm = torch.sort(key, stable=True)
-    ptr = torch.searchsorted(sorted_key, torch.arange(n_lookups + 1, device=inverse.device))
+    _, perm = torch.sort(key, stable=True)
+    # Group sizes by an integer scatter-add (exact in any order), starts by their cumsum: what a searchsorted of
+    # the sorted keys gives, at O(B) instead of O(B log B).
+    sizes = torch.zeros(n_lookups + 1, dtype=torch.int64, device=inverse.device).index_add_(
+        0, key, torch.ones_like(key))
+    ptr = torch.cat([sizes.new_zeros(1), torch.cumsum(sizes[:n_lookups], 0)])
     return perm, ptr
 
 

@@ -394,8 +394,9 @@ def backward_update_torch(rows, states, loc_u, n_uniq, grad_out, inverse, offset
                           per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None,
                           grad_scale_u=None, groups=None):
     """Reference of the fused op: segment reduction (of the live unique ids only, scaled by grad_scale_u), then
-    the update. `groups` is a hint for the Triton path; the reference groups the lookups itself."""
-    grad_u = unique_grad_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, grad_scale_u)
+    the update; grouped by `groups` (perm, ptr) from unique_ids' sort when given, else sorted here."""
+    grad_u = unique_grad_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, grad_scale_u,
+                               groups)
     sparse_update_torch(rows, states, loc_u, grad_u, n_uniq, rule, host_rows, host_states)
 
 
@@ -407,7 +408,7 @@ def backward_update(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mod
                                       per_sample_weights, max_pos, rule, host_rows, host_states, grad_scale_u,
                                       groups)
     return backward_update_torch(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode,
-                                 per_sample_weights, max_pos, rule, host_rows, host_states, grad_scale_u)
+                                 per_sample_weights, max_pos, rule, host_rows, host_states, grad_scale_u, groups)
 
 
 def adam_step_size(lr: float, beta1: float, beta2: float, step: int) -> float:

@@ -4,8 +4,8 @@ Shapes for a batch of B lookups: `uniq [B]` (the n unique ids ascending, then -1
 position in `uniq`; -1 for a padding lookup), `counts [B]` (occurrences; 0 past n), `n_uniq [1]` on the ids'
 device. Fixed capacity keeps the GPU path free of host syncs: nothing downstream needs n on the host.
 With `return_groups=True` a fifth output, `groups = (perm [B], ptr [B + 1])`, groups the lookups by unique
-position as `bag_backward.lookup_groups(inverse)` does (stable; padding lookups last, in no group): the Triton
-path derives it from the sort it did here, so the backward need not sort again.
+position as `bag_backward.lookup_groups(inverse)` does (stable; padding lookups last, in no group): both paths
+derive it from the sort they did here, so the backward need not sort again.
 """
 
 import torch
@@ -18,11 +18,18 @@ PAD_ID = -1
 
 
 def unique_ids_torch(ids: torch.Tensor, padding_idx: int | None = None, return_groups: bool = False):
-    """Reference: torch.unique, then the padding id (if present) removed from the unique set; groups by a sort
-    of the inverse (`lookup_groups`)."""
+    """Reference: torch.unique, then the padding id (if present) removed from the unique set. With
+    `return_groups` the same outputs come from one stable sort of the ids (runs by `unique_consecutive`, the
+    inverse scattered back through the sort), and the groups from that sort (`groups_of_sort`), so no second
+    sort (of the inverse, as `lookup_groups` does) is needed."""
     n_lookups = ids.numel()
     ids = ids.reshape(-1).to(torch.int64)
-    uniq, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
+    if return_groups:
+        s_ids, s_perm = torch.sort(ids, stable=True)
+        uniq, s_inverse, counts = torch.unique_consecutive(s_ids, return_inverse=True, return_counts=True)
+        inverse = torch.empty_like(s_inverse).scatter_(0, s_perm, s_inverse)
+    else:
+        uniq, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
     if padding_idx is not None:
         keep = uniq != padding_idx
         new_pos = torch.cumsum(keep, 0) - 1
@@ -36,9 +43,7 @@ def unique_ids_torch(ids: torch.Tensor, padding_idx: int | None = None, return_g
     n_uniq = torch.tensor([n], dtype=torch.int64, device=ids.device)
     inverse = inverse.reshape(-1)
     if return_groups:
-        from .bag_backward import lookup_groups
-
-        return uniq_buf, inverse, count_buf, n_uniq, lookup_groups(inverse)
+        return uniq_buf, inverse, count_buf, n_uniq, groups_of_sort(s_ids, s_perm, count_buf, padding_idx)
     return uniq_buf, inverse, count_buf, n_uniq
 
 
