@@ -206,15 +206,27 @@ def build(args, preset: RunPreset, meta: dict, data_dir: Path):
                         dcn_num_layers=args.dcn_num_layers, dcn_low_rank_dim=args.dcn_low_rank_dim)
     id_freq = [torch.from_numpy(np.array(f, dtype=np.int64)) for f in load_id_freq(data_dir)]
     torch.manual_seed(args.seed)
-    model = DLRM(config, cache_ratio=args.cache_ratio, optimizer=SPARSE_OPTIMIZERS[args.optimizer](lr=args.lr),
-                 id_freq=id_freq, device=torch.device(args.device))
-    dense_cls = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[args.dense_optimizer]
-    dense_opt = dense_cls(model.dense_parameters(), lr=args.dense_lr)
-    if getattr(args, "world", 1) > 1:
+    sparse_opt = SPARSE_OPTIMIZERS[args.optimizer](lr=args.lr)
+    distributed = getattr(args, "world", 1) > 1
+    # Under torchrun the tables are built on the meta device: shard() then allocates only this rank's rows,
+    # drawn as one process would draw them (the same on every rank and at any world size).
+    sparse_arch = (cachedemb.CachedEmbeddingBagCollection(config.tables(), cache_ratio=args.cache_ratio,
+                                                          optimizer=sparse_opt, id_freq=id_freq, device="meta")
+                   if distributed else None)
+    model = DLRM(config, cache_ratio=args.cache_ratio, optimizer=sparse_opt, id_freq=id_freq,
+                 device=torch.device(args.device), sparse_arch=sparse_arch)
+    if distributed:
         from cachedemb.distributed import shard
 
         model = shard(model)  # same seed on every rank: each keeps its rows; dense part in DDP
+    dense_cls = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[args.dense_optimizer]
+    dense_opt = dense_cls(_dense_parameters(model), lr=args.dense_lr)
     return model, dense_opt
+
+
+def _dense_parameters(model) -> list:
+    inner = getattr(model, "module", model)  # shard() returns the model inside a DistributedModelParallel
+    return inner.dense_parameters()
 
 
 def save_checkpoint(path: Path, model, dense_opt, position: dict) -> None:
