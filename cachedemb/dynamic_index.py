@@ -3,6 +3,7 @@ home slot is a full-avalanche hash (splitmix64's finalizer), so ids built to col
 like any others."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _M64 = (1 << 64) - 1
@@ -65,21 +66,24 @@ class IdIndex:
 
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """Slot of each key, -1 if absent. At most max_disp + 1 rounds; a round carries only the keys still
-        probing (their position in `keys`, home slot and key), gathered with index_select."""
-        result = torch.full_like(keys, -1)
-        idx, home, want = None, self.home(keys), keys  # idx None: every key, in order
+        probing (their position in `keys`, home slot and key). The rounds run on numpy views of the host
+        arrays: a round is a dozen small ops, whose per-call cost in numpy is a fraction of torch's."""
+        want = keys.contiguous().numpy()
+        state, table = self.state.numpy(), self.keys.numpy()
+        result = np.full(want.size, -1, dtype=np.int64)
+        idx, home = None, self.home(keys).numpy()  # idx None: every key, in order
         for dist in range(self.max_disp + 1):
-            pos = (home + dist).bitwise_and_(self.mask) if dist else home
-            state = self.state.index_select(0, pos)
-            hit = (state == self.LIVE).logical_and_(self.keys.index_select(0, pos) == want)
-            h = hit.nonzero().squeeze(1)
-            result.index_copy_(0, h if idx is None else idx.index_select(0, h), pos.index_select(0, h))
-            go = hit.logical_or_(state == self.EMPTY).logical_not_().nonzero().squeeze(1)
-            if go.numel() == 0:
+            pos = (home + dist) & self.mask if dist else home
+            at = state[pos]
+            hit = (at == self.LIVE) & (table[pos] == want)
+            h = np.flatnonzero(hit)
+            result[h if idx is None else idx[h]] = pos[h]
+            go = np.flatnonzero(~hit & (at != self.EMPTY))
+            if go.size == 0:
                 break
-            idx = go if idx is None else idx.index_select(0, go)
-            home, want = home.index_select(0, go), want.index_select(0, go)
-        return result
+            idx = go if idx is None else idx[go]
+            home, want = home[go], want[go]
+        return torch.from_numpy(result)
 
     def reserve(self, extra: int) -> None:
         """Room for `extra` more keys without passing half full (tombstones count); rehash if not."""
@@ -100,43 +104,45 @@ class IdIndex:
             self._rehash(self.size * 2)
 
     def _try_insert(self, keys: torch.Tensor) -> torch.Tensor | None:
-        n = keys.numel()
-        slots = torch.full_like(keys, -1)
-        idx, home = torch.arange(n), self.home(keys)  # the keys still probing, in ascending position
+        """One round per probe distance, every key still probing at once (numpy views, as lookup)."""
+        new = keys.contiguous().numpy()
+        state, table = self.state.numpy(), self.keys.numpy()
+        row, count, last = self.row.numpy(), self.count.numpy(), self.last.numpy()
+        slots = np.full(new.size, -1, dtype=np.int64)
+        idx, home = np.arange(new.size), self.home(keys).numpy()  # the keys still probing, in ascending position
         placed_all = []
         for dist in range(self.max_probe):
-            if idx.numel() == 0:
+            if idx.size == 0:
                 break
-            pos = (home + dist).bitwise_and_(self.mask)
-            state = self.state.index_select(0, pos)
-            free = (state != self.LIVE).nonzero().squeeze(1)
-            if free.numel():
-                cand, cpos = idx.index_select(0, free), pos.index_select(0, free)
-                # Several keys may reach one free slot in the same round: the lowest key position wins.
-                uniq_pos, inv = torch.unique(cpos, return_inverse=True)
-                if uniq_pos.numel() < cpos.numel():
-                    winner = torch.full((uniq_pos.numel(),), n, dtype=torch.int64).scatter_reduce_(
-                        0, inv, cand, "amin")
-                    won = (cand == winner.index_select(0, inv)).nonzero().squeeze(1)
-                    free, cand, cpos = free.index_select(0, won), cand.index_select(0, won), cpos.index_select(0, won)
-                self.used += int((state.index_select(0, free) == self.EMPTY).sum())
-                self.keys.index_copy_(0, cpos, keys.index_select(0, cand))
-                self.state.index_fill_(0, cpos, self.LIVE)
-                self.row.index_fill_(0, cpos, -1)
-                self.count.index_fill_(0, cpos, 0)
-                self.last.index_fill_(0, cpos, 0)
-                slots.index_copy_(0, cand, cpos)
+            pos = (home + dist) & self.mask
+            at = state[pos]
+            free = np.flatnonzero(at != self.LIVE)
+            if free.size:
+                # Several keys may reach one free slot in the same round: the lowest key position wins (the
+                # first of its run in a stable sort, candidates being in ascending position).
+                order = np.argsort(pos[free], kind="stable")
+                ordered = pos[free][order]
+                again = ordered[1:] == ordered[:-1]
+                if again.any():
+                    free = np.sort(free[order[np.concatenate(([True], ~again))]])
+                cand, cpos = idx[free], pos[free]
+                self.used += int(np.count_nonzero(at[free] == self.EMPTY))
+                table[cpos] = new[cand]
+                state[cpos] = self.LIVE
+                row[cpos], count[cpos], last[cpos] = -1, 0, 0
+                slots[cand] = cpos
                 placed_all.append(cand)
-                self.live += cand.numel()
+                self.live += cand.size
                 self.max_disp = max(self.max_disp, dist)
-                keep = torch.ones(idx.numel(), dtype=torch.bool).index_fill_(0, free, False).nonzero().squeeze(1)
-                idx, home = idx.index_select(0, keep), home.index_select(0, keep)
-        if idx.numel():
+                keep = np.ones(idx.size, dtype=bool)
+                keep[free] = False
+                idx, home = idx[keep], home[keep]
+        if idx.size:
             # Undo this call's inserts (keys stay absent), the caller grows the table and retries.
-            placed = torch.cat(placed_all) if placed_all else idx[:0]
-            self.remove(slots[placed])
+            placed = np.concatenate(placed_all) if placed_all else idx[:0]
+            self.remove(torch.from_numpy(slots[placed]))
             return None
-        return slots
+        return torch.from_numpy(slots)
 
     def remove(self, slots: torch.Tensor) -> None:
         if slots.numel() == 0:

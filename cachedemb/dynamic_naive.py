@@ -2,7 +2,8 @@
 numbered freshly per admission (never reused), so "an evicted id that returns is a never-seen id" holds by
 construction. Tests and benchmarks pair it with a dense table (row 0: the unadmitted row, row 1: padding,
 admissions from 2 on). `initial_rows_reference` is the initial-row generator written out op by op, as
-cachedemb.dynamic.initial_rows was first written (that one computes the same bits in place)."""
+cachedemb.dynamic.initial_rows was first written (that one computes the same bits in place); `probe_reference`
+is IdIndex's lookup and insert rounds one key at a time."""
 from __future__ import annotations
 
 import math
@@ -14,6 +15,36 @@ from cachedemb.dynamic import DynamicIds
 from cachedemb.dynamic_index import _GOLDEN, _i64, _lsr, mix64
 
 UNADMITTED_ROW, PAD_ROW = 0, 1
+
+
+def probe_reference(table: list[int], state: list[int], home: list[int], keys: list[int], mask: int,
+                    max_probe: int) -> tuple[list[int], list[int]]:
+    """IdIndex.lookup then IdIndex._try_insert of the absent keys, scalar, on plain lists (state 0 empty, 1 live,
+    2 tombstone; changed in place). Lookup: probe from the home slot until the key or an empty slot. Insert:
+    round d places every key still probing at home + d if that slot was not live when the round began; keys
+    reaching one slot in the same round: the earliest in `keys` wins, the others go on. Returns (slot of each key
+    before the insert or -1, slot after; -1 where max_probe rounds did not place it)."""
+    found = []
+    for key, h in zip(keys, home):
+        slot, d = -1, 0
+        while state[(h + d) & mask] != 0:
+            if state[(h + d) & mask] == 1 and table[(h + d) & mask] == key:
+                slot = (h + d) & mask
+                break
+            d += 1
+        found.append(slot)
+    placed = list(found)
+    pending = [i for i, slot in enumerate(found) if slot < 0]
+    for d in range(max_probe):
+        claimed: dict[int, int] = {}
+        for i in pending:
+            pos = (home[i] + d) & mask
+            if state[pos] != 1 and pos not in claimed:
+                claimed[pos] = i
+        for pos, i in claimed.items():
+            table[pos], state[pos], placed[i] = keys[i], 1, pos
+        pending = [i for i in pending if placed[i] < 0]
+    return found, placed
 
 
 def initial_rows_reference(seed: int, ids: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

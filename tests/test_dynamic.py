@@ -8,7 +8,8 @@ import torch
 import cachedemb
 from cachedemb import optim
 from cachedemb.dynamic import DynamicEmbeddingBag, DynamicIds, IdIndex, initial_rows, mix64
-from cachedemb.dynamic_naive import NaiveDynamicIds, PAD_ROW, UNADMITTED_ROW, initial_rows_reference
+from cachedemb.dynamic_naive import (NaiveDynamicIds, PAD_ROW, UNADMITTED_ROW, initial_rows_reference,
+                                     probe_reference)
 
 OPTIMIZERS = {
     "sgd": lambda: optim.SGD(lr=0.1),
@@ -242,6 +243,38 @@ def test_index_probes_bounded_on_adversarial_ids(family):
     assert bool((index.lookup(keys + 1) < 0).all())
     index.remove(slots[::2])
     assert bool((index.lookup(keys[::2]) < 0).all()) and bool((index.lookup(keys[1::2]) >= 0).all())
+
+
+@pytest.mark.parametrize("size", [16, 64, 4096])
+def test_index_slots_equal_scalar_reference(size):
+    """IdIndex's vectorised rounds place every key where the scalar rounds do (probe_reference): same slots,
+    tables, displacement; with tombstones, keys racing for one slot in a round, keys sharing a home slot."""
+    g = torch.Generator().manual_seed(size)
+    index = IdIndex(size=size, max_probe=64)
+    k = torch.arange(1, 400, dtype=torch.int64)
+    pool = torch.cat([k << 32, (k << 40) | 7, torch.randint(-2 ** 63, 2 ** 63 - 1, (400,), generator=g)])
+    inserts = 0
+    for step in range(30):
+        keys = pool[torch.randint(0, pool.numel(), (int(torch.randint(1, size // 3, (1,), generator=g)),),
+                                  generator=g)].unique()
+        keys = keys[torch.randperm(keys.numel(), generator=g)]  # not sorted: the earliest in `keys` wins
+        index.reserve(keys.numel())  # may grow the table (rehash) before the reference copies it
+        table, state = index.keys.tolist(), index.state.tolist()
+        home = index.home(keys).tolist()
+        found, placed = probe_reference(table, state, home, keys.tolist(), index.mask, index.max_probe)
+        slots = index.lookup(keys)
+        assert slots.tolist() == found, step
+        new = slots < 0
+        if bool(new.any()):
+            version = index.version
+            slots[new] = index.insert(keys[new])
+            assert index.version == version, "insert grew the table: max_probe exceeded"
+            assert slots.tolist() == placed and index.keys.tolist() == table and index.state.tolist() == state, step
+            inserts += 1
+        if step % 3 == 2:  # tombstones
+            live = index.live_slots()
+            index.remove(live[torch.randperm(live.numel(), generator=g)[: live.numel() // 3]])
+    assert inserts >= 20 and index.max_disp >= 2, (inserts, index.max_disp)
 
 
 @pytest.mark.parametrize("unadmitted", ["zero", "shared"])
