@@ -66,7 +66,9 @@ class VictimPool:
         usable = is_monotone(policy) and policy is self.policy and self.slots.numel() >= (1 if exact else k)
         if usable:
             pool = self.slots
-            score = policy(view_of(pool, protected(pool)))
+            # A pool of every slot is arange(C) (see _rank): score the whole view, no gathers by slot
+            whole = pool.numel() == self.capacity
+            score = policy(view_of(None, protected(None)) if whole else view_of(pool, protected(pool)))
             n_valid = ((score <= self.bound) & (score < PROTECTED)).sum().reshape(1)
             if exact:
                 if int(n_valid) >= int(n_admit):

@@ -101,9 +101,9 @@ def _unique_grad_torch(grad_out, inverse, offsets, mode: int, per_sample_weights
     if n == 0:  # every lookup is padding: embedding_bag with no offsets but lookups writes out of bounds
         return grad_out.new_zeros(0, grad_out.shape[1], dtype=acc_dtype(grad_out.dtype))
     n_lookups = inverse.numel()
-    bag = bag_of_lookup(offsets, n_lookups)[perm]
+    bag = bag_of_lookup(offsets, n_lookups).index_select(0, perm)
     acc = acc_dtype(grad_out.dtype)
-    scale = lookup_scale(inverse, offsets, mode, per_sample_weights, acc)[perm]
+    scale = lookup_scale(inverse, offsets, mode, per_sample_weights, acc).index_select(0, perm)
     grad_u, _, _, _ = torch.embedding_bag(grad_out.to(acc).contiguous(), bag, ptr[:n], False, MODE_SUM, False,
                                           scale, False, None)
     return grad_u

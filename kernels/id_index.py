@@ -67,6 +67,12 @@ def _home(ids: torch.Tensor, size: int) -> torch.Tensor:
     return mix_torch(ids) & (size - 1)
 
 
+def _take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values[index] (along dim 0) for an index of valid non-negative positions, any shape, through
+    index_select: the same values, several times faster than advanced indexing on CPU."""
+    return values.index_select(0, index.reshape(-1)).view(*index.shape, *values.shape[1:])
+
+
 def _live_mask(n_items: int, n, device) -> torch.Tensor:
     return torch.arange(n_items, device=device) < n
 
@@ -76,6 +82,8 @@ def _live_mask(n_items: int, n, device) -> torch.Tensor:
 
 def index_find_torch(keys: torch.Tensor, query: torch.Tensor, n_query, early_exit: bool = False):
     """(position, slot) of each of the first n_query ids of `query` [B]; -1 for an absent or negative id."""
+    if early_exit:
+        return _find_compacting(keys, query, n_query)
     size = keys.numel()
     mask = size - 1
     pos = torch.full_like(query, -1)
@@ -103,6 +111,53 @@ def index_find_torch(keys: torch.Tensor, query: torch.Tensor, n_query, early_exi
     return pos, slot
 
 
+# Positions probed one at a time (then windows) by `_find_compacting`: at load <= 5/8 most chains end here.
+_SINGLE_PROBES = 4
+
+
+def _find_compacting(keys: torch.Tensor, query: torch.Tensor, n_query):
+    """index_find_torch where counts are free on the host (CPU): the still-probing ids are compacted after
+    every probe (nonzero), so each probe touches only them, one position each for the first _SINGLE_PROBES
+    positions (no [n, W] windows, no argmax), then PROBE_WINDOW positions at a time. Same answer: the first
+    position of the chain holding the id, the chain ending at an EMPTY or after MAX_PROBE positions (a
+    resident id never sits past an EMPTY of its chain: inserts take the first free position, deletes leave
+    TOMB)."""
+    size = keys.numel()
+    mask = size - 1
+    pos = torch.full_like(query, -1)
+    slot = torch.full_like(query, -1)
+    idx = (_live_mask(query.numel(), n_query, query.device) & (query >= 0)).nonzero().squeeze(1)
+    q = _take(query, idx)
+    home = _home(q, size)
+    start = 0
+    while idx.numel() and start < MAX_PROBE:
+        width = 1 if start < _SINGLE_PROBES else min(PROBE_WINDOW, MAX_PROBE - start)
+        if width == 1:
+            p = (home + start) & mask
+            k = _take(keys, p)
+            hit = (k >= 0) & ((k >> SLOT_BITS) == q)
+            at = hit.nonzero().squeeze(1)
+            found_at = _take(idx, at)
+            pos.index_copy_(0, found_at, _take(p, at))
+            slot.index_copy_(0, found_at, _take(k, at) & SLOT_MASK)
+            go_on = (hit | (k == EMPTY)).logical_not()
+        else:
+            p = (home[:, None] + start + torch.arange(width, device=query.device)) & mask  # [n, W]
+            k = _take(keys, p)
+            hit = (k >= 0) & ((k >> SLOT_BITS) == q[:, None])
+            found = hit.any(1)
+            at = found.nonzero().squeeze(1)
+            first = _take(hit, at).to(torch.int8).argmax(1, keepdim=True)
+            found_at = _take(idx, at)
+            pos.index_copy_(0, found_at, _take(p, at).gather(1, first).squeeze(1))
+            slot.index_copy_(0, found_at, _take(k, at).gather(1, first).squeeze(1) & SLOT_MASK)
+            go_on = (found | (k == EMPTY).any(1)).logical_not()
+        keep = go_on.nonzero().squeeze(1)
+        idx, q, home = _take(idx, keep), _take(q, keep), _take(home, keep)
+        start += width
+    return pos, slot
+
+
 def index_lookup_torch(keys, query, n_query, early_exit: bool = False) -> torch.Tensor:
     """Slot of each of the first n_query ids of `query` [B] (int64); -1 for a miss, a negative id, or past n."""
     return index_find_torch(keys, query, n_query, early_exit)[1]
@@ -120,17 +175,38 @@ def index_delete_torch(keys, ids, n, early_exit: bool = False) -> None:
     _tombstone(keys, index_find_torch(keys, ids, n, early_exit)[0])
 
 
-def _scan_torch(keys, home, dist, pending):
-    """One scan: first free position in the window [dist, dist + W) of each pending key (-1: none).
-    Returns (target, target distance, dist for keys that found none)."""
+def _first_free(keys, home, dist, pending, lo: int, width: int):
+    """First free position (EMPTY or TOMB) in [dist + lo, dist + lo + width) of each pending key: (has [n],
+    position [n], its distance [n]); position and distance are meaningless where `has` is False."""
     size = keys.numel()
-    d = dist[:, None] + torch.arange(PROBE_WINDOW, device=dist.device)
+    if width == 1:
+        d = dist + lo
+        p = (home + d) & (size - 1)
+        return (_take(keys, p) < 0) & (d < MAX_PROBE) & pending, p, d
+    d = dist[:, None] + torch.arange(lo, lo + width, device=dist.device)
     p = (home[:, None] + d) & (size - 1)
-    free = (keys[p] < 0) & (d < MAX_PROBE) & pending[:, None]
-    has = free.any(1)
+    free = (_take(keys, p) < 0) & (d < MAX_PROBE) & pending[:, None]
     first = free.to(torch.int8).argmax(1, keepdim=True)
-    target = torch.where(has, p.gather(1, first).squeeze(1), torch.full_like(dist, -1))
-    tdist = dist + first.squeeze(1)
+    return free.any(1), p.gather(1, first).squeeze(1), d.gather(1, first).squeeze(1)
+
+
+def _scan_torch(keys, home, dist, pending, narrow: bool = False):
+    """One scan: first free position in the window [dist, dist + W) of each pending key (-1: none).
+    Returns (target, target distance, dist for keys that found none). `narrow` (counts free on the host):
+    the first position alone, then the rest of the window only for the keys whose first position is taken
+    (the same answer, mostly without the [n, W] window)."""
+    if narrow:
+        has, target, tdist = _first_free(keys, home, dist, pending, 0, 1)
+        rest = (pending & has.logical_not()).nonzero().squeeze(1)
+        if rest.numel():
+            r_has, r_target, r_tdist = _first_free(keys, _take(home, rest), _take(dist, rest), _take(pending, rest),
+                                                   1, PROBE_WINDOW - 1)
+            has = has.index_copy(0, rest, r_has)
+            target = target.index_copy(0, rest, r_target)
+            tdist = tdist.index_copy(0, rest, r_tdist)
+    else:
+        has, target, tdist = _first_free(keys, home, dist, pending, 0, PROBE_WINDOW)
+    target = torch.where(has, target, torch.full_like(dist, -1))
     dist = torch.where(pending & has.logical_not(), dist + PROBE_WINDOW, dist)
     return target, tdist, dist
 
@@ -151,16 +227,16 @@ def index_insert_torch(keys, ids, slots, n, early_exit: bool = False) -> torch.T
             idx = pending.nonzero().squeeze(1)
             if idx.numel() == 0:
                 break
-        i_entry, i_pend = entry[idx], pending[idx]
-        target, tdist, i_dist = _scan_torch(keys, home[idx], dist[idx], i_pend)
+        i_entry, i_pend = _take(entry, idx), _take(pending, idx)
+        target, tdist, i_dist = _scan_torch(keys, _take(home, idx), _take(dist, idx), i_pend, narrow=early_exit)
         proposer = target >= 0
         at = target.clamp(min=0)
         keys.scatter_reduce_(0, at, torch.where(proposer, i_entry, torch.full_like(i_entry, _NO_CHANGE_MAX)), "amax")
-        won = proposer & (keys[at] == i_entry)
+        won = proposer & (_take(keys, at) == i_entry)
         i_dist = torch.where(proposer & won.logical_not(), tdist + 1, i_dist)
-        ok[idx] = ok[idx] | won
-        dist[idx] = i_dist
-        pending[idx] = i_pend & won.logical_not() & (i_dist < MAX_PROBE)
+        ok.index_copy_(0, idx, _take(ok, idx) | won)
+        dist.index_copy_(0, idx, i_dist)
+        pending.index_copy_(0, idx, i_pend & won.logical_not() & (i_dist < MAX_PROBE))
     return ok
 
 

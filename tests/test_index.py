@@ -154,3 +154,37 @@ def test_build_bound_turns_far_keys_into_tombstones():
     assert ok.sum() == X.MAX_PROBE and (keys == X.TOMB).sum() == 5
     got = X.index_lookup_torch(keys, bucket, bucket.numel())
     assert torch.equal(got, torch.where(ok, torch.arange(bucket.numel()), -1))
+
+
+@pytest.mark.parametrize("kind", ["random", "one_bucket"])
+def test_host_count_paths_equal_the_windowed_reference(kind):
+    """With counts on the host (early_exit, CPU) lookups compact the probing ids after every probe, one position
+    at a time at first, and inserts scan a key's first position before the rest of its window: the same slots,
+    positions, placements and table layout as the windowed path, at high load with tombstones."""
+    g = torch.Generator().manual_seed(5)
+    capacity = 4096
+    size = X.index_size(capacity)
+    if kind == "one_bucket":
+        pool = torch.tensor(adversarial_one_bucket(size, 60) + torch.randperm(10 ** 7, generator=g)[:6000].tolist())
+    else:
+        pool = torch.randperm(X.MAX_ID // 1024, generator=g)[:8000] * 1024 + 3
+    keys = {early: X.new_index(capacity, "cpu") for early in (True, False)}
+    resident = torch.zeros(0, dtype=torch.int64)
+    for step in range(12):
+        # delete a third of the resident ids, insert new ones up to the capacity (tombstones pile up)
+        gone = resident[torch.randperm(resident.numel(), generator=g)[: resident.numel() // 3]]
+        fresh = pool[~torch.isin(pool, resident)]
+        new = fresh[torch.randperm(fresh.numel(), generator=g)][: capacity - resident.numel() + gone.numel()]
+        slots = torch.randint(0, capacity, (new.numel(),), generator=g)
+        oks = []
+        for early, k in keys.items():
+            X.index_delete_torch(k, torch.cat([gone, torch.tensor([-1])]), gone.numel() + 1, early)
+            oks.append(X.index_insert_torch(k, new, slots, new.numel(), early))
+        assert torch.equal(keys[True], keys[False]), f"step {step}"
+        assert torch.equal(oks[0], oks[1])
+        resident = torch.cat([resident[~torch.isin(resident, gone)], new[oks[0]]])
+        query = torch.cat([resident, pool[:500], torch.tensor([-5])])
+        found = [X.index_find_torch(k, query, query.numel() - 1, early) for early, k in keys.items()]
+        assert torch.equal(found[0][0], found[1][0]) and torch.equal(found[0][1], found[1][1])
+        assert (found[0][1][: resident.numel()] >= 0).all()
+    assert (keys[True] == X.TOMB).any()  # the tombstone case was exercised
