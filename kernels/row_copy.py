@@ -39,7 +39,7 @@ def row_copy_torch(src, src_idx, dst, dst_idx, n, accumulate: bool = False):
     m = min(int(n), src_idx.numel(), dst_idx.numel())
     s, d = src_idx[:m], dst_idx[:m].to(src_idx.device)
     sel = (s >= 0) & (d >= 0) & (s < src2.shape[0]) & (d < dst2.shape[0])
-    s, d = s[sel], d[sel]
+    s, d = s.masked_select(sel), d.masked_select(sel)  # = s[sel], d[sel]; faster on CPU
     if s.numel() == 0:
         return
     rows = src2.index_select(0, s.to(src2.device)).to(device=dst2.device, dtype=dst2.dtype)
@@ -145,7 +145,7 @@ def row_copy_staged(src, src_idx, dst, dst_idx, n, accumulate: bool = False):
     s = src_idx[:m].to("cpu", torch.int64)
     d = dst_idx[:m].to("cpu", torch.int64)
     sel = (s >= 0) & (d >= 0) & (s < src2.shape[0]) & (d < dst2.shape[0])
-    s, d = s[sel], d[sel]
+    s, d = s.masked_select(sel), d.masked_select(sel)  # = s[sel], d[sel]; faster on CPU
     count, cols = s.numel(), src2.shape[1]
     if count == 0:
         return
