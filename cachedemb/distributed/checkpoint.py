@@ -7,6 +7,11 @@ rank keeps under the *current* plan and DCP reads them from whichever chunks hol
 data-parallel replica reads the whole tensor. Keys are the unsharded model's state_dict keys, so a
 single-process model loads the same checkpoint (`load_into_unsharded`). Nothing is pickled but the plan, which
 rank 0 writes beside the checkpoint as JSON (`plan.json`).
+
+Dynamic (raw-id) tables are keyed by id: each per-id tensor (ids, weight, optimizer state, counts, last seen;
+the pending_* group alike) is saved as the concatenation of the ranks' parts, rank r's part at the offset of
+the ranks before it; a load reads every part (any world size, or one process) and each rank keeps the ids it
+owns now.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
 from cachedemb.distributed.model_parallel import DistributedModelParallel, _sharded_state_names, _under
 from cachedemb.distributed.plan import ShardingPlan
+from cachedemb.distributed.sharded_dynamic import _STEP_KEYS, ShardedDynamicEmbeddingBag, _sharded_dynamic
 
 PLAN_FILE = "plan.json"
 
@@ -53,7 +59,89 @@ def _state(model: nn.Module, for_load: bool) -> tuple[dict, dict]:
                                    shard_sizes=list(value.shape), placement=f"rank:{dist.get_rank()}/cpu")
                 shards.append(Shard(value, md))
             state[prefix + key] = ShardedTensor._init_from_local_shards(shards, *shape, process_group=group)
+    state.update(_dynamic_state(inner, group, for_load))
     return state, sharded
+
+
+def _dynamic_state(inner: nn.Module, group, for_load: bool) -> dict:
+    """DCP entries of the sharded dynamic tables: per-id tensors as the concatenation of the ranks' parts (on
+    load: placeholders, sized from the checkpoint by `_size_dynamic_entries`), steps replicated."""
+    state = {}
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    for path, m in _sharded_dynamic(inner).items():
+        prefix = f"{path}." if path else ""
+        local = m.shard.state_dict()
+        counts = torch.tensor([[local["ids"].numel(), local["pending_ids"].numel()]], dtype=torch.int64)
+        every = [torch.zeros_like(counts) for _ in range(world)]
+        dist.all_gather(every, counts, group=group)
+        every = torch.cat(every)
+        for key, value in local.items():
+            if key in _STEP_KEYS or for_load:
+                state[prefix + key] = value
+                continue
+            column = 1 if key.startswith("pending_") else 0
+            total, offset = int(every[:, column].sum()), int(every[:rank, column].sum())
+            if total == 0:
+                state[prefix + key] = value  # empty everywhere: one plain (replicated) empty tensor
+                continue
+            shards = []
+            if value.shape[0] > 0:
+                md = ShardMetadata(shard_offsets=[offset] + [0] * (value.dim() - 1), shard_sizes=list(value.shape),
+                                   placement=f"rank:{dist.get_rank()}/cpu")
+                shards.append(Shard(value.contiguous(), md))
+            state[prefix + key] = ShardedTensor._init_from_local_shards(shards, total, *value.shape[1:],
+                                                                        process_group=group)
+    return state
+
+
+def _dynamic_prefixes(model: nn.Module) -> list[str]:
+    """Key prefixes of the id-keyed states of `model`'s dynamic tables (sharded or not, alone or in a
+    collection)."""
+    from cachedemb.collection import CachedEmbeddingBagCollection, _DynamicGroupBag
+    from cachedemb.dynamic import DynamicEmbeddingBag
+
+    out = []
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(m, ShardedDynamicEmbeddingBag) or (isinstance(m, DynamicEmbeddingBag)
+                                                         and not isinstance(m, _DynamicGroupBag)):
+            out.append(prefix)  # (a collection's group bag saves nothing: its table view does, below)
+        elif isinstance(m, CachedEmbeddingBagCollection):
+            out += [f"{prefix}embedding_bags.{t.name}." for t in m.tables if t.dynamic is not None]
+    return out
+
+
+def _size_dynamic_entries(state: dict, model: nn.Module, path: str) -> None:
+    """Per-id entries of dynamic tables become empty tensors of the saved (concatenated) length, so DCP reads
+    every rank's part whatever this model holds now."""
+    prefixes = _dynamic_prefixes(model)
+    if not prefixes:
+        return
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for key, value in list(state.items()):
+        if any(key.startswith(p) for p in prefixes) and key[len(_prefix_of(key, prefixes)):] not in _STEP_KEYS:
+            if key not in saved:
+                raise KeyError(f"{key} is not in the checkpoint at {path}")
+            state[key] = torch.empty(tuple(saved[key].size), dtype=value.dtype)
+
+
+def _prefix_of(key: str, prefixes: list[str]) -> str:
+    return max((p for p in prefixes if key.startswith(p)), key=len)
+
+
+def _sort_dynamic_entries(state: dict, model: nn.Module) -> None:
+    """The concatenated parts in id order (as one process's state_dict), per id group."""
+    for prefix in _dynamic_prefixes(model):
+        for ids_key, pending in (("ids", False), ("pending_ids", True)):
+            if prefix + ids_key not in state:
+                continue
+            order = torch.argsort(state[prefix + ids_key])
+            for key in [k for k in state if k.startswith(prefix)]:
+                name = key[len(prefix):]
+                if name in _STEP_KEYS or name.startswith("unadmitted."):
+                    continue
+                if name.startswith("pending_") == pending:
+                    state[key] = state[key][order]
 
 
 def save_checkpoint(model: nn.Module, path: str) -> None:
@@ -68,8 +156,10 @@ def save_checkpoint(model: nn.Module, path: str) -> None:
 def load_checkpoint(model: nn.Module, path: str) -> None:
     """Every rank reads the rows its current plan gives it (any world size or plan at save time)."""
     state, sharded = _state(model, for_load=True)
-    dcp.load(state, checkpoint_id=path, process_group=getattr(model, "group", None))
     inner = model.module if isinstance(model, DistributedModelParallel) else model
+    _size_dynamic_entries(state, inner, path)
+    dcp.load(state, checkpoint_id=path, process_group=getattr(model, "group", None))
+    _sort_dynamic_entries(state, inner)
     dense = {k: v for k, v in state.items() if not _under(k, list(sharded))}
     inner.load_state_dict(dense, strict=False)
     for path_, m in sharded.items():
@@ -85,5 +175,7 @@ def load_plan(path: str) -> ShardingPlan:
 def load_into_unsharded(model: nn.Module, path: str) -> None:
     """Load a sharded checkpoint into a single-process model (cached modules unsharded): no process group."""
     state = model.state_dict()
+    _size_dynamic_entries(state, model, path)
     dcp.load(state, checkpoint_id=path, no_dist=True)
+    _sort_dynamic_entries(state, model)
     model.load_state_dict(state)

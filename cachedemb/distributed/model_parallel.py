@@ -95,8 +95,9 @@ def _tables(modules: dict[str, nn.Module]) -> dict[str, tuple[int, int, int, flo
     specs = {}
     for name, m in modules.items():
         if isinstance(m, CachedEmbeddingBagCollection):
-            for t in m.tables:
-                specs[_table_key(name, t.name)] = (t.num_embeddings, t.embedding_dim, t.dtype.itemsize, 0.0)
+            for t in m.tables:  # dynamic (raw-id) tables: each id's owner is a hash of it, not a plan entry
+                if t.dynamic is None:
+                    specs[_table_key(name, t.name)] = (t.num_embeddings, t.embedding_dim, t.dtype.itemsize, 0.0)
         elif m.is_meta:
             specs[name] = (m.num_embeddings, m.embedding_dim, m.cache.dtype.itemsize, m.cache.expected_lookups())
         else:
@@ -163,7 +164,7 @@ def shard(model: nn.Module, plan: ShardingPlan | dict | None = None, process_gro
         if path not in modules:
             continue
         if isinstance(m, CachedEmbeddingBagCollection):
-            shardings = {t.name: plan.tables[_table_key(path, t.name)] for t in m.tables}
+            shardings = {t.name: plan.tables[_table_key(path, t.name)] for t in m.tables if t.dynamic is None}
             model = _replace(model, path, ShardedEmbeddingBagCollection(m, shardings, group, device))
         else:
             model = _replace(model, path, ShardedEmbeddingBag(m, plan.tables[path], group, device))

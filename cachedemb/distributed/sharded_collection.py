@@ -1,6 +1,7 @@
 """ShardedEmbeddingBagCollection: a CachedEmbeddingBagCollection's tables placed over the ranks.
 
-Each table becomes a ShardedEmbeddingBag of its own (`embedding_bags[table]`), placed by the plan entry
+Each table becomes a ShardedEmbeddingBag of its own (`embedding_bags[table]`; a dynamic-id table a
+ShardedDynamicEmbeddingBag, its ids hashed to their owner ranks, no plan entry), placed by the plan entry
 `"<collection path>.<table>"` (table-wise by default: whole tables spread over the ranks; row-wise and
 data-parallel work the same way). Per forward and per table, the bags of every feature the table serves go to
 the table's owners in one exchange (features concatenated feature-major, so one fused-optimizer step per
@@ -23,6 +24,8 @@ from cachedemb.collection import CachedEmbeddingBagCollection
 from cachedemb.collection_inputs import is_torchrec, torchrec_type
 from cachedemb.distributed.plan import TableSharding
 from cachedemb.distributed.sharded_bag import ShardedEmbeddingBag
+from cachedemb.distributed.sharded_dynamic import ShardedDynamicEmbeddingBag
+from cachedemb.dynamic import DynamicEmbeddingBag
 from cachedemb.embedding_bag import CachedEmbeddingBag
 
 
@@ -52,6 +55,26 @@ def _table_module(collection: CachedEmbeddingBagCollection, index: int) -> Cache
     return module
 
 
+def _dynamic_table_module(collection: CachedEmbeddingBagCollection, index: int) -> DynamicEmbeddingBag:
+    """A standalone DynamicEmbeddingBag with dynamic table `index`'s ids, rows and state (its group bag saves
+    nothing itself: the table's view does)."""
+    if not collection.bags:
+        raise ValueError(f"dynamic table {collection.tables[index].name!r} of a collection on the meta device: "
+                         "materialize the collection first (its rows are made per id on admission anyway)")
+    t = collection.tables[index]
+    bag = collection.bags[collection._table_group[index][0]]
+    module = DynamicEmbeddingBag(None, t.embedding_dim, mode=t.pooling, dtype=bag.cache.dtype,
+                                 device=bag.cache.device, dynamic=t.dynamic, optimizer=bag.optimizer,
+                                 cache_rows=bag.cache.capacity,
+                                 in_flight_rows=bag.row_ids.numel() - t.dynamic.capacity, validate_inputs=False)
+    module.inner._shard_local = True
+    state: dict = {}
+    collection._save_table(index, state, "")
+    module.load_state_dict(state)
+    module.train(collection.training)
+    return module
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     """The sharded equivalent of a CachedEmbeddingBagCollection: KJT (or dict {feature: (values, offsets)}) in,
     KeyedTensor (or dict {key: pooled}) out, each rank with its own local batch size."""
@@ -66,7 +89,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.feature_names = list(collection.feature_names)
         self._lookups = [(lk.table, lk.feature, lk.name) for lk in collection._lookups]
         self.embedding_bags = nn.ModuleDict({
-            t.name: ShardedEmbeddingBag(_table_module(collection, i), shardings[t.name], group, device)
+            t.name: (ShardedDynamicEmbeddingBag(_dynamic_table_module(collection, i), group, device)
+                     if t.dynamic is not None else
+                     ShardedEmbeddingBag(_table_module(collection, i), shardings[t.name], group, device))
             for i, t in enumerate(self.tables)})
 
     def forward(self, features):
@@ -89,7 +114,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         targets = []
         is_kjt = is_torchrec(features, "KeyedJaggedTensor")
         for name, (ids, offsets, psw, _) in self._table_inputs(features, is_kjt).items():
-            targets += self.embedding_bags[name].prefetch_exchange(ids, offsets, psw)
+            bag = self.embedding_bags[name]
+            if isinstance(bag, ShardedDynamicEmbeddingBag):
+                targets += bag.prefetch_targets((ids, offsets, psw))
+            else:
+                targets += bag.prefetch_exchange(ids, offsets, psw)
         return targets
 
     def _table_inputs(self, features, is_kjt: bool) -> dict[str, tuple]:
@@ -101,7 +130,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             ids, offsets, weights, start = [], [], [], 0
             for f, _ in lookups:
                 values, off, w = per_feature[f]
-                ids.append(values % t.num_embeddings if self.hash_ids else values)
+                ids.append(values % t.num_embeddings if self.hash_ids and t.dynamic is None else values)
                 offsets.append(off[:-1] + start)
                 weights.append(w)
                 start += values.numel()

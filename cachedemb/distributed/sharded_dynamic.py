@@ -29,8 +29,9 @@ Under `cachedemb.prefetch`, reading a batch ahead runs its raw-id exchange, and 
 reads the ids it received ahead (counting, admission and eviction happen then, as in one process); the batch's
 training forward takes the queued exchange (checked to be its batch's), so training equals training without
 prefetch.
-Not supported (refused): unadmitted="shared" (one shared row would need an all-reduce), dynamic tables inside a
-CachedEmbeddingBagCollection.
+A CachedEmbeddingBagCollection's dynamic tables become ShardedDynamicEmbeddingBags inside its
+ShardedEmbeddingBagCollection (same owners, same state keys). Not supported (refused): unadmitted="shared" (one
+shared row would need an all-reduce).
 """
 from __future__ import annotations
 
@@ -280,14 +281,10 @@ def _sharded_dynamic(model: nn.Module) -> dict[str, ShardedDynamicEmbeddingBag]:
 def shard_dynamic_tables(model: nn.Module, group) -> nn.Module:
     """shard()'s step for dynamic tables: every DynamicEmbeddingBag of `model` becomes a
     ShardedDynamicEmbeddingBag over `group`; returns the model (the new module when `model` is one)."""
-    for name, m in model.named_modules():
-        if isinstance(m, CachedEmbeddingBagCollection):
-            dynamic = [t.name for t in m.tables if t.dynamic is not None]
-            if dynamic:
-                raise NotImplementedError(
-                    f"shard() of a CachedEmbeddingBagCollection with dynamic (raw int64 id) tables {dynamic} "
-                    f"(at {name or '<model>'!r}) is not supported yet: use a DynamicEmbeddingBag per such table")
-    found = [(n, m) for n, m in model.named_modules() if isinstance(m, DynamicEmbeddingBag)]
+    # A collection's dynamic tables are sharded with the collection (ShardedEmbeddingBagCollection).
+    collections = [n for n, m in model.named_modules() if isinstance(m, CachedEmbeddingBagCollection)]
+    found = [(n, m) for n, m in model.named_modules()
+             if isinstance(m, DynamicEmbeddingBag) and not any(n.startswith(c + ".") or c == "" for c in collections)]
     for name, m in found:
         device = m.cache.device
         if device.type == "cuda":
