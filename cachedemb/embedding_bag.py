@@ -130,6 +130,10 @@ class CachedEmbeddingBag(nn.Module):
     replaces the table. A reference to the table kept across steps (even written through `.data`) is safe:
     while one lives, steps write their rows through to the host (a one-time warning names the cost).
 
+    `device="meta"` (or `with torch.device("meta")`) allocates nothing: forward and state_dict give shapes;
+    `to_empty(device=...)` then `reset_parameters()` (or `cachedemb.materialize(model)`) build the table with
+    the values the module built on a device has, and `cachedemb.distributed.shard` builds only each rank's rows.
+
     Only training forwards count lookups for the LFU eviction; `count_in_eval=True` makes every forward count,
     so an inference-only (eval, no_grad) cache adapts to the traffic it serves.
 
