@@ -27,6 +27,7 @@ from cachedemb.collection_capture import NotScriptableError, fx_lookup, fx_looku
 from cachedemb.collection_inputs import CollectionInputs, is_torchrec, torchrec_type
 from cachedemb.dynamic import DynamicEmbeddingBag, DynamicIds
 from cachedemb.embedding_bag import CachedEmbeddingBag
+from cachedemb.meta_init import probe_apply
 from cachedemb.optim import SparseOptimizer
 from cachedemb.policy import Policy
 from cachedemb.table_config import DTYPES, TableConfig
@@ -321,10 +322,7 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
 
     def _probe(self, fn, dtype: torch.dtype) -> torch.Tensor:
         """What `fn` (of `_apply`) makes of a tensor of this dtype on the collection's device."""
-        try:
-            return fn(torch.zeros(1, dtype=dtype, device=self.device))
-        except NotImplementedError:  # .to(device) of a meta tensor, which torch refuses: nothing to copy here
-            return fn(torch.zeros(1, dtype=dtype, device="cpu"))
+        return probe_apply(fn, dtype, self.device)
 
     # ----------------------------------------------------------------- torchrec interface
     def embedding_bag_configs(self) -> list:

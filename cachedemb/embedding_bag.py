@@ -17,7 +17,7 @@ from cachedemb.errors import (
     StaleTableWriteError,
 )
 from cachedemb.input_check import BagInput, normalize_bag_input
-from cachedemb.meta_init import MetaTable, TableInit, init_rows
+from cachedemb.meta_init import MetaTable, TableInit, init_rows, probe_apply
 from cachedemb.optim import SparseOptimizer
 from cachedemb.policy import Policy
 
@@ -177,8 +177,7 @@ class CachedEmbeddingBag(nn.Module):
         if dtype not in _TABLE_DTYPES:
             raise TypeError(f"dtype must be one of {', '.join(map(str, _TABLE_DTYPES))}, got {dtype}")
         device = self._resolve_device(device)
-        capacity = int(cache_rows) if cache_rows is not None else math.ceil(cache_ratio * num_embeddings)
-        capacity = max(1, min(capacity, num_embeddings))
+        capacity = self.cache_capacity(num_embeddings, cache_ratio, cache_rows)
         freq = self._check_id_freq(id_freq)
         self._requires_grad = optimizer is None and not _freeze
         # Fused mode: a zero-size tensor that requires grad makes autograd call our backward.
@@ -210,6 +209,12 @@ class CachedEmbeddingBag(nn.Module):
             hottest = min(int(warmup_ratio * capacity), self.num_embeddings)
             if hottest > 0:
                 self.cache.preload(torch.topk(freq, hottest, sorted=True).indices.sort().values)
+
+    @staticmethod
+    def cache_capacity(num_rows: int, cache_ratio: float, cache_rows: int | None) -> int:
+        """Cache rows for a table of `num_rows`: `cache_rows`, else `cache_ratio` of the rows; 1 to num_rows."""
+        capacity = int(cache_rows) if cache_rows is not None else math.ceil(cache_ratio * num_rows)
+        return max(1, min(capacity, num_rows))
 
     @staticmethod
     def _resolve_device(device) -> torch.device:
@@ -630,10 +635,7 @@ class CachedEmbeddingBag(nn.Module):
 
     def _materialize(self, fn):
         spec: MetaTable = self.cache
-        try:
-            probe = fn(torch.zeros(1, dtype=spec.dtype, device="meta"))
-        except NotImplementedError:  # .to(device) of a meta tensor, which torch refuses: nothing to copy
-            probe = fn(torch.zeros(1, dtype=spec.dtype, device="cpu"))
+        probe = probe_apply(fn, spec.dtype, "meta")
         if probe.dtype not in _TABLE_DTYPES:
             raise TypeError(f"CachedEmbeddingBag tables are {', '.join(map(str, _TABLE_DTYPES))}; "
                             f"cannot convert to {probe.dtype}")

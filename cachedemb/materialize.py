@@ -18,7 +18,8 @@ def _cached_types():
     return CachedEmbeddingBag, CachedEmbeddingBagCollection
 
 
-def _under(name: str, prefixes) -> bool:
+def is_under(name: str, prefixes) -> bool:
+    """Whether module / state key `name` is one of `prefixes` or inside one ("" holds everything)."""
     return any(p == "" or name == p or name.startswith(p + ".") for p in prefixes)
 
 
@@ -29,7 +30,7 @@ def meta_walk(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     cached_types = _cached_types()
     out, cached_paths = [], []
     for name, module in model.named_modules():
-        if _under(name, cached_paths):
+        if is_under(name, cached_paths):
             continue
         if isinstance(module, cached_types):
             cached_paths.append(name)

@@ -72,6 +72,15 @@ class MetaTable:
         return float(self.id_freq.sum()) if self.id_freq is not None else 0.0
 
 
+def probe_apply(fn, dtype: torch.dtype, device) -> torch.Tensor:
+    """What `fn` (an nn.Module._apply function) makes of a tensor of `dtype` on `device`: the device and dtype
+    a module is being moved / converted to. `.to(device)` refuses to copy out of meta: probed on CPU then."""
+    try:
+        return fn(torch.zeros(1, dtype=dtype, device=device))
+    except NotImplementedError:
+        return fn(torch.zeros(1, dtype=dtype, device="cpu"))
+
+
 def init_rows(init: TableInit, num_rows: int, dim: int, dtype: torch.dtype, start: int, end: int,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows [start, end) of a [num_rows, dim] table filled by `init` from the current RNG state, drawing the
@@ -114,4 +123,4 @@ def _replay_elementwise(init: TableInit, total: int, dtype, lo: int, hi: int, fl
             i = j
 
 
-__all__ = ["CHUNK_ELEMENTS", "MetaTable", "TableInit", "init_rows"]
+__all__ = ["CHUNK_ELEMENTS", "MetaTable", "TableInit", "init_rows", "probe_apply"]

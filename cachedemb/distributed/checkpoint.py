@@ -27,7 +27,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
 from cachedemb.distributed.model_parallel import DistributedModelParallel, _sharded_state_names, _under
 from cachedemb.distributed.plan import ShardingPlan
-from cachedemb.distributed.sharded_dynamic import _STEP_KEYS, ShardedDynamicEmbeddingBag, _sharded_dynamic
+from cachedemb.distributed.sharded_dynamic import ShardedDynamicEmbeddingBag, _sharded_dynamic, id_group
 
 PLAN_FILE = "plan.json"
 
@@ -71,15 +71,19 @@ def _dynamic_state(inner: nn.Module, group, for_load: bool) -> dict:
     for path, m in _sharded_dynamic(inner).items():
         prefix = f"{path}." if path else ""
         local = m.shard.state_dict()
-        counts = torch.tensor([[local["ids"].numel(), local["pending_ids"].numel()]], dtype=torch.int64)
-        every = [torch.zeros_like(counts) for _ in range(world)]
-        dist.all_gather(every, counts, group=group)
+        if for_load:
+            state.update({prefix + key: value for key, value in local.items()})
+            continue
+        lengths = torch.tensor([[local["ids"].numel(), local["pending_ids"].numel()]], dtype=torch.int64)
+        every = [torch.zeros_like(lengths) for _ in range(world)]
+        dist.all_gather(every, lengths, group=group)
         every = torch.cat(every)
         for key, value in local.items():
-            if key in _STEP_KEYS or for_load:
+            group_of = id_group(key)
+            if group_of is None:
                 state[prefix + key] = value
                 continue
-            column = 1 if key.startswith("pending_") else 0
+            column = ("ids", "pending_ids").index(group_of)
             total, offset = int(every[:, column].sum()), int(every[:rank, column].sum())
             if total == 0:
                 state[prefix + key] = value  # empty everywhere: one plain (replicated) empty tensor
@@ -119,28 +123,22 @@ def _size_dynamic_entries(state: dict, model: nn.Module, path: str) -> None:
         return
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     for key, value in list(state.items()):
-        if any(key.startswith(p) for p in prefixes) and key[len(_prefix_of(key, prefixes)):] not in _STEP_KEYS:
+        owner = max((p for p in prefixes if key.startswith(p)), key=len, default=None)
+        if owner is not None and id_group(key[len(owner):]) is not None:
             if key not in saved:
                 raise KeyError(f"{key} is not in the checkpoint at {path}")
             state[key] = torch.empty(tuple(saved[key].size), dtype=value.dtype)
 
 
-def _prefix_of(key: str, prefixes: list[str]) -> str:
-    return max((p for p in prefixes if key.startswith(p)), key=len)
-
-
 def _sort_dynamic_entries(state: dict, model: nn.Module) -> None:
     """The concatenated parts in id order (as one process's state_dict), per id group."""
     for prefix in _dynamic_prefixes(model):
-        for ids_key, pending in (("ids", False), ("pending_ids", True)):
+        for ids_key in ("ids", "pending_ids"):
             if prefix + ids_key not in state:
                 continue
             order = torch.argsort(state[prefix + ids_key])
             for key in [k for k in state if k.startswith(prefix)]:
-                name = key[len(prefix):]
-                if name in _STEP_KEYS or name.startswith("unadmitted."):
-                    continue
-                if name.startswith("pending_") == pending:
+                if id_group(key[len(prefix):]) == ids_key:
                     state[key] = state[key][order]
 
 

@@ -13,10 +13,11 @@ from torch import nn
 
 from cachedemb.collection import CachedEmbeddingBagCollection
 from cachedemb.distributed.plan import ShardingPlan, TableSharding, default_plan
-from cachedemb.distributed.sharded_bag import ShardedEmbeddingBag
+from cachedemb.distributed.sharded_bag import ShardedEmbeddingBag, rank_cuda_device
 from cachedemb.distributed.sharded_collection import ShardedEmbeddingBagCollection
 from cachedemb.distributed.sharded_dynamic import gather_dynamic_state_dict, shard_dynamic_tables
 from cachedemb.embedding_bag import CachedEmbeddingBag
+from cachedemb.materialize import is_under as _under
 from cachedemb.materialize import materialize_dense, meta_walk
 
 
@@ -67,10 +68,6 @@ class DistributedModelParallel(nn.Module):
     def on_prefetch_end(self) -> None:
         for m in _sharded_state_names(self.module):
             m[1].on_prefetch_end()
-
-
-def _under(name: str, prefixes: list[str]) -> bool:
-    return any(p == "" or name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def _sharded_state_names(module: nn.Module):
@@ -175,14 +172,12 @@ def shard(model: nn.Module, plan: ShardingPlan | dict | None = None, process_gro
 
 def _local_device(modules) -> torch.device | None:
     """Each rank's cache on its own GPU (LOCAL_RANK), when the modules' caches were on CUDA."""
-    import os
-
     caches = [b.cache for m in modules.values() for b in (m.bags if isinstance(m, CachedEmbeddingBagCollection)
                                                           else [m])]
     meta = any(isinstance(m, CachedEmbeddingBagCollection) and not m.bags for m in modules.values())
     if any(c.device.type == "cuda" for c in caches) or (torch.cuda.is_available() and (
             meta or any(c.device.type == "meta" for c in caches))):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+        return rank_cuda_device()
     return None
 
 

@@ -25,6 +25,7 @@ the sum of the ranks' losses (torchrec's convention; DDP averages the dense grad
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from dataclasses import dataclass
 
@@ -63,13 +64,15 @@ def local_shard(module: CachedEmbeddingBag, start: int, end: int, device: torch.
         weight = init_rows(spec.init, module.num_embeddings, module.embedding_dim, spec.dtype, start, end,
                            out=pinned_empty((rows, module.embedding_dim), spec.dtype))
         freq = spec.id_freq[start:end].clone() if spec.id_freq is not None else None
-        capacity, policy, dtype, warmup = spec.capacity, spec.policy, spec.dtype, spec.warmup_ratio
+        capacity, policy, dtype = spec.capacity, spec.policy, spec.dtype
+        warmup = {"warmup_ratio": spec.warmup_ratio}
     else:
         module.flush()
         cache = module.cache
         weight = cache.host_weight[start:end].clone() if rows else None
         freq = cache.host_freq[start:end].clone() if rows else None
-        capacity, policy, dtype, warmup = cache.capacity, cache.policy, cache.dtype, 0.7
+        capacity, policy, dtype = cache.capacity, cache.policy, cache.dtype
+        warmup = {}  # the constructor's default, as before
     if rows == 0:
         return None
     shard = CachedEmbeddingBag(
@@ -78,7 +81,7 @@ def local_shard(module: CachedEmbeddingBag, start: int, end: int, device: torch.
         include_last_offset=True, device=device, dtype=dtype,
         _freeze=module.optimizer is None and not module._table.requires_grad,
         cache_rows=max(1, min(rows, math.ceil(capacity * rows / module.num_embeddings))),
-        optimizer=module.optimizer, id_freq=freq, warmup_ratio=warmup, policy=policy, validate_inputs=False)
+        optimizer=module.optimizer, id_freq=freq, policy=policy, validate_inputs=False, **warmup)
     if not module.is_meta:
         for name, state in module.cache.host_states.items():
             shard.cache.host_states[name].copy_(state[start:end])
@@ -88,13 +91,29 @@ def local_shard(module: CachedEmbeddingBag, start: int, end: int, device: torch.
     return shard
 
 
-def _default_cache_device() -> torch.device:
-    """Where a meta module's shard keeps its cache: this rank's GPU (LOCAL_RANK) when there is one."""
-    import os
+def rank_cuda_device() -> torch.device:
+    """This rank's GPU: LOCAL_RANK (as torchrun sets it), else the current device."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
 
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    return torch.device("cpu")
+
+def _default_cache_device() -> torch.device:
+    """Where a meta module's shard keeps its cache: this rank's GPU when there is one."""
+    return rank_cuda_device() if torch.cuda.is_available() else torch.device("cpu")
+
+
+def prefetch_args(batch) -> tuple:
+    """(input, offsets, per_sample_weights) of a batch given to `prefetch_targets`: an input tensor, an
+    (input, offsets[, weights]) tuple, or a dict with "input" (and "offsets", "per_sample_weights")."""
+    if isinstance(batch, dict):
+        args = (batch["input"], batch.get("offsets"), batch.get("per_sample_weights"))
+    elif isinstance(batch, (tuple, list)):
+        args = tuple(batch[:3]) + (None,) * (3 - len(batch[:3]))
+    else:
+        args = (batch, None, None)
+    if not torch.is_tensor(args[0]):
+        raise TypeError(f"cannot find ids in a {type(args[0]).__name__}: expected an id tensor, an "
+                        "(input, offsets[, per_sample_weights]) tuple or a dict with 'input'")
+    return args
 
 
 @dataclass
@@ -234,16 +253,7 @@ class ShardedEmbeddingBag(nn.Module):
         torchrec's sparse-dist pipeline does) and return (shard cache, the ids this rank owns for it); the
         batch's forward then uses the exchanged input. `batch`: input tensor, (input, offsets[, weights])
         tuple, or dict with "input" (and "offsets", "per_sample_weights")."""
-        if isinstance(batch, dict):
-            args = (batch["input"], batch.get("offsets"), batch.get("per_sample_weights"))
-        elif isinstance(batch, (tuple, list)):
-            args = tuple(batch[:3]) + (None,) * (3 - len(batch[:3]))
-        else:
-            args = (batch, None, None)
-        if not torch.is_tensor(args[0]):
-            raise TypeError(f"cannot find ids in a {type(args[0]).__name__}: expected an id tensor, an "
-                            "(input, offsets[, per_sample_weights]) tuple or a dict with 'input'")
-        return self.prefetch_exchange(*args)
+        return self.prefetch_exchange(*prefetch_args(batch))
 
     def prefetch_exchange(self, input, offsets=None, per_sample_weights=None) -> list:
         """Exchange one batch ahead and queue it for the forward `on_prefetch_yield` arms."""

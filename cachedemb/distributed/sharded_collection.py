@@ -15,8 +15,6 @@ gather_full_state_dict returns what the unsharded collection loads.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -36,10 +34,10 @@ def _table_module(collection: CachedEmbeddingBagCollection, index: int) -> Cache
     g, _ = collection._table_group[index]
     if not collection.bags:
         kw = collection._bag_kwargs
-        group_rows = collection._groups[g].rows
-        capacity = kw["cache_rows"] if kw["cache_rows"] is not None else math.ceil(kw["cache_ratio"] * group_rows)
+        group_capacity = CachedEmbeddingBag.cache_capacity(collection._groups[g].rows, kw["cache_ratio"],
+                                                           kw["cache_rows"])
         module = CachedEmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling, device="meta",
-                                    dtype=t.dtype, cache_rows=max(1, min(t.num_embeddings, capacity)),
+                                    dtype=t.dtype, cache_rows=min(t.num_embeddings, group_capacity),
                                     optimizer=kw["optimizer"], warmup_ratio=0.0, _init=t.table_init())
         module._shard_local = True
         return module

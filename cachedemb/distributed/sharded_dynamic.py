@@ -36,7 +36,6 @@ shared row would need an all-reduce).
 from __future__ import annotations
 
 import math
-import os
 from collections import deque
 from dataclasses import replace
 
@@ -46,13 +45,22 @@ from torch import nn
 
 from cachedemb.collection import CachedEmbeddingBagCollection
 from cachedemb.distributed.exchange import AllToAllRows, all_to_all, exchange_counts
-from cachedemb.distributed.sharded_bag import ExchangedInput, ShardedEmbeddingBag, lookups_with_bags
+from cachedemb.distributed.sharded_bag import (ExchangedInput, ShardedEmbeddingBag, lookups_with_bags,
+                                                prefetch_args, rank_cuda_device)
 from cachedemb.dynamic import DynamicEmbeddingBag
 from cachedemb.dynamic_index import _i64, _lsr, mix64
 from cachedemb.input_check import normalize_bag_input
 
 _OWNER_KEY = _i64(0xD6E8FEB86659FD93)
 _STEP_KEYS = ("step", "optimizer.step")
+
+
+def id_group(key: str) -> str | None:
+    """Which id list a DynamicEmbeddingBag state entry runs along: "ids" (admitted ids: weight, optimizer
+    state, counts, last seen), "pending_ids" (the pending_* entries), or None (steps, the unadmitted row)."""
+    if key in _STEP_KEYS or key.startswith("unadmitted."):
+        return None
+    return "pending_ids" if key.startswith("pending_") else "ids"
 
 
 def owner_rank(ids: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -189,15 +197,7 @@ class ShardedDynamicEmbeddingBag(nn.Module):
         mode the exchange is queued for the batch's training forward; in eval mode it only announces rows (an
         eval forward exchanges its batch itself). `batch`: input tensor, (input, offsets[, weights]) tuple, or
         dict with "input" (and "offsets", "per_sample_weights")."""
-        if isinstance(batch, dict):
-            args = (batch["input"], batch.get("offsets"), batch.get("per_sample_weights"))
-        elif isinstance(batch, (tuple, list)):
-            args = tuple(batch[:3]) + (None,) * (3 - len(batch[:3]))
-        else:
-            args = (batch, None, None)
-        if not torch.is_tensor(args[0]):
-            raise TypeError(f"cannot find ids in a {type(args[0]).__name__}: expected an id tensor, an "
-                            "(input, offsets[, per_sample_weights]) tuple or a dict with 'input'")
+        args = prefetch_args(batch)
         exchanged = self.input_dist(*args)
         if self.training and torch.is_grad_enabled():
             # Tagged with the loop that reads it: None while a loop fills its horizon (it owns the cache from
@@ -288,7 +288,7 @@ def shard_dynamic_tables(model: nn.Module, group) -> nn.Module:
     for name, m in found:
         device = m.cache.device
         if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+            device = rank_cuda_device()
         new = ShardedDynamicEmbeddingBag(m, group, device)
         if name == "":
             return new
@@ -319,14 +319,11 @@ def gather_dynamic_state_dict(model: nn.Module, group, dst: int = 0) -> dict[str
                 raise RuntimeError(f"{prefix}{key} differs over the ranks ({sorted(values)}): every rank must run "
                                    "every training forward of a sharded dynamic table")
             out[prefix + key] = parts[0][key].clone()
-        for ids_key, group_prefix in (("ids", ""), ("pending_ids", "pending_")):
+        for ids_key in ("ids", "pending_ids"):
             ids = torch.cat([p[ids_key] for p in parts])
             ids, order = torch.sort(ids)
             for key in parts[0]:
-                if key in _STEP_KEYS:
-                    continue
-                if (group_prefix and key.startswith(group_prefix)) or (not group_prefix and not
-                                                                       key.startswith("pending_")):
+                if id_group(key) == ids_key:
                     out[prefix + key] = torch.cat([p[key] for p in parts])[order]
     return out
 
