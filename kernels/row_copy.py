@@ -36,10 +36,20 @@ def row_copy_mode() -> str:
 def row_copy_torch(src, src_idx, dst, dst_idx, n, accumulate: bool = False):
     """Reference: boolean selection then index_copy (syncs on the host; fine for a reference)."""
     src2, dst2 = _as_rows(src), _as_rows(dst)
+    s, d = _copy_pairs(src_idx, dst_idx, n, src2.shape[0], dst2.shape[0])
+    _copy_rows(src2, s, dst2, d, accumulate)
+
+
+def _copy_pairs(src_idx, dst_idx, n, r_src: int, r_dst: int):
+    """The (source, destination) row pairs row_copy copies: the first n, both in range."""
     m = min(int(n), src_idx.numel(), dst_idx.numel())
     s, d = src_idx[:m], dst_idx[:m].to(src_idx.device)
-    sel = (s >= 0) & (d >= 0) & (s < src2.shape[0]) & (d < dst2.shape[0])
-    s, d = s.masked_select(sel), d.masked_select(sel)  # = s[sel], d[sel]; faster on CPU
+    sel = (s >= 0) & (d >= 0) & (s < r_src) & (d < r_dst)
+    return s.masked_select(sel), d.masked_select(sel)  # = s[sel], d[sel]; faster on CPU
+
+
+def _copy_rows(src2, s, dst2, d, accumulate: bool):
+    """dst2[d[i]] = src2[s[i]] (or +=) for the selected pairs."""
     if s.numel() == 0:
         return
     rows = src2.index_select(0, s.to(src2.device)).to(device=dst2.device, dtype=dst2.dtype)
@@ -192,9 +202,16 @@ class RowCopy:
 
 
 def row_copy_many_torch(copies: list[RowCopy], n) -> None:
-    """Reference: one row_copy_torch per pair."""
+    """Reference: row_copy_torch per pair; pairs with the same index tensors (and table lengths) select their
+    rows once."""
+    selected = {}
     for c in copies:
-        row_copy_torch(c.src, c.src_idx, c.dst, c.dst_idx, n)
+        src2, dst2 = _as_rows(c.src), _as_rows(c.dst)
+        key = (id(c.src_idx), id(c.dst_idx), src2.shape[0], dst2.shape[0])
+        if key not in selected:
+            selected[key] = _copy_pairs(c.src_idx, c.dst_idx, n, src2.shape[0], dst2.shape[0])
+        s, d = selected[key]
+        _copy_rows(src2, s, dst2, d, False)
 
 
 @triton.jit

@@ -10,6 +10,7 @@ each unique id and applies the rule; the reference composes bag_backward and spa
 (so Adagrad / Adam states see the scaled gradient).
 """
 
+import importlib
 import math
 from dataclasses import dataclass
 
@@ -18,11 +19,13 @@ import triton
 import triton.language as tl
 
 from .bag_backward import (
+    bag_of_lookup,
     backward_block_l,
     backward_chunk,
     backward_inputs,
     backward_launch,
     chunk_partials,
+    lookup_scale,
     persistent_programs,
     unique_grad,
     unique_grad_torch,
@@ -30,6 +33,8 @@ from .bag_backward import (
 from .dispatch import backend_for, on_device, soft_rtne
 from .pooled_forward import (
     HOST_LOC,
+    MODE_MAX,
+    MODE_SUM,
     acc_dtype,
     cast_to,
     double_bits,
@@ -75,7 +80,11 @@ def sparse_update_torch(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule, h
     idx, n = _live(loc_u, n_uniq)
     if n == 0:
         return
-    g = grad_u[:n]
+    _update_live(rows, states, idx, grad_u[:n], rule, host_rows, host_states)
+
+
+def _update_live(rows, states, idx, g, rule: UpdateRule, host_rows=None, host_states=None):
+    """sparse_update_torch on live locations `idx` and their gradients `g`."""
     on_host = idx <= HOST_LOC
     if host_rows is None or not bool(on_host.any()):
         _update_rows(rows, states, idx, g, rule)
@@ -394,10 +403,58 @@ def backward_update_torch(rows, states, loc_u, n_uniq, grad_out, inverse, offset
                           per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None,
                           grad_scale_u=None, groups=None):
     """Reference of the fused op: segment reduction (of the live unique ids only, scaled by grad_scale_u), then
-    the update; grouped by `groups` (perm, ptr) from unique_ids' sort when given, else sorted here."""
+    the update; grouped by `groups` (perm, ptr) from unique_ids' sort when given, else sorted here. On CPU
+    (sum / mean) both run in passes over blocks of unique ids (`_backward_update_cpu`), with the same values."""
+    if mode != MODE_MAX and rows.device.type == "cpu" and grad_out.device.type == "cpu":
+        if _backward_update_cpu(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode, per_sample_weights,
+                                rule, host_rows, host_states, grad_scale_u, groups):
+            return
     grad_u = unique_grad_torch(grad_out, inverse, offsets, mode, per_sample_weights, max_pos, grad_scale_u,
                                groups)
     sparse_update_torch(rows, states, loc_u, grad_u, n_uniq, rule, host_rows, host_states)
+
+
+# Bytes of one pass's [ids, D] gradient block on CPU (_backward_update_cpu): small enough that the block and the
+# rows it updates stay in cache, and that the allocator hands back the same blocks each pass (whole-batch
+# temporaries were fresh, page-faulting memory every step).
+CPU_PASS_BYTES = 1 << 19
+_BAG_BACKWARD = importlib.import_module(".bag_backward", __package__)  # the module (the package exports the op)
+
+
+def _backward_update_cpu(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode, per_sample_weights, rule,
+                         host_rows, host_states, grad_scale_u, groups) -> bool:
+    """unique_grad_torch + sparse_update_torch in passes over blocks of unique ids: each pass reduces its ids'
+    lookups with one torch.embedding_bag over their slice of the grouped lookups (the whole-batch call's bags,
+    cut at bag boundaries: the same per-bag sums) and updates their rows (row-wise rules: the same values).
+    Counts are read on the host (CPU only). Returns False, doing nothing, where the two counts disagree (left to
+    the unsplit reference)."""
+    # the module's lookup_groups, looked up at call time (as unique_grad_torch does: tests count its calls)
+    perm, ptr = groups if groups is not None else _BAG_BACKWARD.lookup_groups(inverse)
+    n_groups = int((ptr[1:] > ptr[:-1]).sum())
+    n = int(n_uniq)
+    if n > n_groups:
+        return False
+    if n == 0:
+        return True
+    n_lookups = inverse.numel()
+    acc = acc_dtype(grad_out.dtype)
+    bag = bag_of_lookup(offsets, n_lookups).index_select(0, perm)
+    scale = lookup_scale(inverse, offsets, mode, per_sample_weights, acc).index_select(0, perm)
+    weight = grad_out.to(acc).contiguous()
+    step = max(1, CPU_PASS_BYTES // max(1, grad_out.shape[1] * weight.element_size()))
+    starts = list(range(0, n, step))
+    bounds = ptr.index_select(0, torch.tensor(starts + [n], device=ptr.device)).tolist()
+    for k, a in enumerate(starts):
+        b = min(a + step, n)
+        # the pass's lookups; the whole-batch call's last bag (n_groups - 1) runs to the end (over the padding
+        # lookups, scale 0, sorted last), so a pass ending there does too
+        lo, hi = bounds[k], (n_lookups if b == n_groups else bounds[k + 1])
+        grad_u, _, _, _ = torch.embedding_bag(weight, bag[lo:hi], ptr[a:b] - lo, False, MODE_SUM, False,
+                                              scale[lo:hi], False, None)
+        if grad_scale_u is not None:
+            grad_u = grad_u * grad_scale_u[a:b].to(device=grad_u.device, dtype=grad_u.dtype).unsqueeze(1)
+        _update_live(rows, states, loc_u[a:b], grad_u, rule, host_rows, host_states)
+    return True
 
 
 def backward_update(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode: int,
