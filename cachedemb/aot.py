@@ -232,7 +232,8 @@ def library_workload(device="cpu", dims=WORKLOAD_DIMS, dtypes=("float32", "bfloa
     (optimizer=None leaves the id-space gradient of `weight`), cycling the table dtype, the dim, per-sample
     weights (sum) and padding_idx so each meets every mode; `steps` batches each (the last with HOT_LOOKUPS
     more lookups of one id), with more distinct ids than
-    the cache holds (evictions, rows served beyond the cache); the prefetch pipeline in order and overlapped; and
+    the cache holds (evictions, rows served beyond the cache); the prefetch pipeline in order and overlapped; the
+    other eviction policies (each built-in one has its own scoring variant); and
     `kernels.sparse_update`, a public op the module does not call. On CPU it needs TRITON_INTERPRET=1 and
     CACHEDEMB_BACKEND=triton set before triton is imported."""
     import itertools
@@ -273,6 +274,13 @@ def library_workload(device="cpu", dims=WORKLOAD_DIMS, dtypes=("float32", "bfloa
         for ids, offsets in cachedemb.prefetch([batch() for _ in range(4)], [emb], depth=2, horizon=4,
                                                overlap=overlap):
             step(emb, ids, offsets)
+    for policy in ("lru", "lookahead"):  # every slot-score kind; lookahead over two tables reads their ranks
+        emb = cachedemb.CachedEmbeddingBag(rows, dims[0], mode="sum", cache_rows=cache_rows, device=device,
+                                           optimizer=optim.SGD(lr=0.01), policy=policy)
+        if policy == "lookahead":
+            emb.cache.set_tables([0, rows // 3])
+        for _ in range(steps):
+            step(emb, *batch())
     n = bags * bag_len
     for kind in (kernels.SGD, kernels.ADAGRAD, kernels.ROWWISE_ADAGRAD, kernels.ADAM):
         rule = kernels.UpdateRule(kind, lr=0.01, eps=1e-8, beta1=0.9, beta2=0.999, step_size=0.01)
@@ -283,6 +291,8 @@ def library_workload(device="cpu", dims=WORKLOAD_DIMS, dtypes=("float32", "bfloa
         loc_u = torch.randperm(rows, generator=gen)[:n].to(device)
         grad_u = torch.randn(n, dim, generator=gen).to(device)
         kernels.sparse_update(table, states, loc_u, grad_u, torch.tensor([n - 2], device=device), rule)
+    # victim selection over a cache larger than one GPU block (the module's caches above are a few slots)
+    kernels.victim_select(torch.randperm(3000, generator=gen).to(device), 7)
     keys = torch.arange(0, 2 * rows, 2, device=device)
     kernels.slot_lookup(keys, torch.arange(rows, device=device), torch.arange(n, device=device),
                         torch.tensor([n - 1], device=device))

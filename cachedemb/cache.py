@@ -26,7 +26,7 @@ import torch
 from cachedemb import kernels
 from cachedemb.host_memory import host_empty, pinned_copy
 from cachedemb.kernels import PROTECTED, id_index
-from cachedemb.policy import Policy, SlotView, resolve
+from cachedemb.policy import Policy, SlotView, resolve, score_kernel
 from cachedemb.sync_mode import counts_on_host
 from cachedemb.victim_pool import VictimPool
 
@@ -134,10 +134,11 @@ class EmbeddingCache:
         self.history = torch.zeros(history, len(STAT_NAMES), dtype=torch.int64, device=self.device)
         self.history_batches = 0
         # Host seconds per phase; the O(cache) passes each have their own entry and run at most once per window
-        # (victim_rank: only when the victim pool runs dry; next_use_refresh), per index fill (index_rebuild) or
-        # per `freq_halflife` batches (halve_counts).
+        # (victim_rank: only when the victim pool runs dry, under the CUDA rules the gated launch of every batch;
+        # next_use_refresh; window_protect), per index fill (index_rebuild) or per `freq_halflife` batches
+        # (halve_counts).
         self.seconds = {"prepare": 0.0, "admit_window": 0.0, "flush": 0.0, "index_rebuild": 0.0,
-                        "victim_rank": 0.0, "next_use_refresh": 0.0, "halve_counts": 0.0}
+                        "victim_rank": 0.0, "next_use_refresh": 0.0, "halve_counts": 0.0, "window_protect": 0.0}
         if freq_halflife is not None and (not isinstance(freq_halflife, int) or freq_halflife < 1):
             raise ValueError(f"freq_halflife must be None or a positive number of batches, got {freq_halflife!r}")
         self.freq_halflife = freq_halflife
@@ -379,7 +380,9 @@ class EmbeddingCache:
         self._pending = plan.done
 
     def activate_window(self, plan: WindowPlan) -> None:
-        """Make the current stream wait for the window's rows, then protect exactly that window."""
+        """Make the current stream wait for the window's rows, then protect exactly that window (O(cache), once
+        per window: `seconds["window_protect"]`)."""
+        start = time.perf_counter()
         if plan.done is not None:
             torch.cuda.current_stream(self.device).wait_event(plan.done)
             if self._pending is plan.done:
@@ -387,6 +390,7 @@ class EmbeddingCache:
         self._drop_protection()
         self.protected.index_fill_(0, self._resident_or_dump(plan.loc_u), True)
         self._count_protected()
+        self.seconds["window_protect"] += time.perf_counter() - start
 
     def _resident_or_dump(self, loc: torch.Tensor) -> torch.Tensor:
         """Cache slots of `loc`; host locations and -1 go to the trailing dump element."""
@@ -417,6 +421,17 @@ class EmbeddingCache:
                             protected, self._table_rank())
         return SlotView(_at(self.slot_ids, slots), _at(self.slot_freq, slots), _at(self.slot_last_use, slots),
                         _at(self.next_use, slots), protected, self._table_rank(slots), slots, c)
+
+    def _score_all(self, policy: Policy, protected: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """Every slot's score under `protected`: one gated launch for a built-in policy on the Triton backend
+        (no work while `gate` reads 0), else the policy over the full view."""
+        kind = score_kernel(policy)
+        if kind is None or kernels.backend_for(self.device) != "triton":
+            return policy(self._slot_view(None, protected))
+        c = self.capacity
+        tables = None if self.table_starts is None else (self.table_starts, self.table_ranks)
+        return kernels.slot_score_triton(kind, self.slot_ids[:c], self.slot_freq[:c], self.slot_last_use[:c],
+                                         self.next_use, protected, tables, gate)
 
     def _place(self, uniq, n_uniq, policy: Policy, transfer: bool = True):
         """Find or admit each of the first n_uniq ids of `uniq`; returns (loc_u, live, n_hit, n_miss, move).
@@ -462,7 +477,7 @@ class EmbeddingCache:
             ranked = self.victim_pool.rankings
             rank_start = time.perf_counter()
             victims = self.victim_pool.choose(policy, self._slot_view, unprotect_hits, protected, k,
-                                              n_admit, self._on_host(n_hit, cap), early)
+                                              n_admit, self._on_host(n_hit, cap), early, self._score_all)
             k = victims.numel()
             if self.victim_pool.rankings != ranked:
                 self.seconds["victim_rank"] += time.perf_counter() - rank_start

@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from cachedemb import kernels
 from cachedemb.kernels import PROTECTED
 
 Policy = Callable[["SlotView"], torch.Tensor]
@@ -82,6 +83,18 @@ def lookahead(view: SlotView) -> torch.Tensor:
 
 
 POLICIES: dict[str, Policy] = {"lfu": lfu, "lru": lru, "lookahead": lookahead}
+
+# The built-in policies the Triton backend scores in one launch (kernels/slot_score.py, equal bit for bit); keyed
+# by the function itself, so a user's wrapper of one (even with functools.wraps) is scored by its own code.
+_SCORE_KERNEL = {lfu: kernels.SCORE_LFU, lru: kernels.SCORE_LRU, lookahead: kernels.SCORE_LOOKAHEAD}
+
+
+def score_kernel(policy) -> int | None:
+    """The slot-score kernel kind that computes `policy`'s full-view scores, or None (score with the policy)."""
+    try:
+        return _SCORE_KERNEL.get(policy)
+    except TypeError:  # an unhashable callable
+        return None
 
 
 def resolve(policy: str | Policy) -> Policy:

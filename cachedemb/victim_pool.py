@@ -15,8 +15,11 @@ drops rows, table ranks set, a reload. A full ranking scores slots without this 
 slot's score falls back once the batch is over), then applies it to the pool.
 
 On CPU with counts on the host the drained test is a host branch. Under the CUDA rules (sync-free) it is a
-device flag: both choices are computed (static shapes) and `torch.where` keeps the right one, so the pool
-only saves work where the host may branch; the selection stays exact either way.
+device flag, `drained`: the full ranking is launched every batch with that flag as its gate and `torch.where`
+keeps the right choice (static shapes, no host read). On the Triton backend the ranking's O(cache) kernels
+(the built-in policies' scores, kernels/slot_score.py, and the radix selection) are persistent programs that do
+no work while the gate reads 0, so a batch the pool serves costs O(pool) plus a few idle launches; a custom
+policy's torch scoring and the torch reference compute the ranking anyway. The selection is exact either way.
 """
 from __future__ import annotations
 
@@ -39,17 +42,19 @@ class VictimPool:
         self.slots = torch.empty(0, dtype=torch.int64, device=self.device)  # [P] candidate slots
         self.bound = torch.full((1,), PROTECTED, dtype=torch.int64, device=self.device)
         self.policy = None  # None: invalid, the next choice ranks every slot
-        self.rankings = 0  # full rankings so far (host count)
+        self.rankings = 0  # full rankings launched so far (host count; gated ones included)
+        self.ranked = torch.zeros(1, dtype=torch.int64, device=self.device)  # rankings that ran ungated or drained
 
     def invalidate(self) -> None:
         self.policy = None
 
     def tensors(self):
-        return [self.slots, self.bound]
+        return [self.slots, self.bound, self.ranked]
 
     def to(self, device) -> None:
         self.device = torch.device(device)
         self.slots, self.bound = self.slots.to(self.device), self.bound.to(self.device)
+        self.ranked = self.ranked.to(self.device)
         self.invalidate()
 
     def pool_size(self, k: int, n_hit: int) -> int:
@@ -57,18 +62,22 @@ class VictimPool:
         return min(self.capacity, k + n_hit + self.batches * k)
 
     def choose(self, policy, view_of, unprotect_hits, protected, k: int,
-               n_admit: torch.Tensor, n_hit: int, exact: bool) -> torch.Tensor:
+               n_admit: torch.Tensor, n_hit: int, exact: bool, score_all=None) -> torch.Tensor:
         """The k lowest-scored slots under `protected(slots)` (window + this batch's hits, a bool per slot),
         lowest first; exactly the full ranking's first n_admit. `view_of(slots, protected)` builds a SlotView
         (slots None: all C); `unprotect_hits(score)` takes this batch's hit protection off full-view scores in
-        place (O(hits)). With `exact` (counts on the host) fewer than k victims may come back, never fewer than
-        n_admit."""
+        place (O(hits)); `score_all(policy, protected, gate)` scores all C slots, free to skip the work while
+        the [1] flag `gate` reads 0 (default: the policy over view_of(None, protected)). With `exact` (counts on
+        the host) fewer than k victims may come back, never fewer than n_admit."""
+        if score_all is None:
+            def score_all(policy, protected, gate):
+                return policy(view_of(None, protected))
         usable = is_monotone(policy) and policy is self.policy and self.slots.numel() >= (1 if exact else k)
         if usable:
             pool = self.slots
             # A pool of every slot is arange(C) (see _rank): score the whole view, no gathers by slot
             whole = pool.numel() == self.capacity
-            score = policy(view_of(None, protected(None)) if whole else view_of(pool, protected(pool)))
+            score = score_all(policy, protected(None), None) if whole else policy(view_of(pool, protected(pool)))
             n_valid = ((score <= self.bound) & (score < PROTECTED)).sum().reshape(1)
             if exact:
                 if int(n_valid) >= int(n_admit):
@@ -77,28 +86,30 @@ class VictimPool:
                 from_pool = pool[kernels.victim_select(score, k)]
                 drained = n_valid < n_admit
                 old_slots, old_bound = self.slots, self.bound
-                victims = self._rank(policy, view_of, unprotect_hits, protected, k, n_hit, exact)
-                if self.slots.numel() != old_slots.numel():
-                    return victims  # a new pool size: the ranking stands on its own
+                if self.pool_size(k, n_hit) != old_slots.numel():  # a new pool size: the ranking stands alone
+                    return self._rank(policy, score_all, unprotect_hits, protected, k, n_hit, exact)
+                victims = self._rank(policy, score_all, unprotect_hits, protected, k, n_hit, exact, gate=drained)
                 self.slots = torch.where(drained, self.slots, old_slots)
                 self.bound = torch.where(drained, self.bound, old_bound)
                 return torch.where(drained, victims, from_pool)
-        return self._rank(policy, view_of, unprotect_hits, protected, k, n_hit, exact)
+        return self._rank(policy, score_all, unprotect_hits, protected, k, n_hit, exact)
 
-    def _rank(self, policy, view_of, unprotect_hits, protected, k, n_hit, exact) -> torch.Tensor:
+    def _rank(self, policy, score_all, unprotect_hits, protected, k, n_hit, exact, gate=None) -> torch.Tensor:
         """Score every slot (window protection only), keep the P lowest as the pool, and return this batch's k
-        victims from it (its hits protected)."""
+        victims from it (its hits protected). With a `gate` ([1] bool) the results only count where it is
+        set (the caller keeps them with torch.where) and the O(cache) work may be skipped where it is not."""
         all_protected = protected(None)
-        score = policy(view_of(None, all_protected))
+        score = score_all(policy, all_protected, gate)
         unprotect_hits(score)
         size = self.pool_size(k, n_hit)
         if size < self.capacity:
-            self.slots = kernels.victim_select(score, size, exact)  # ascending score
+            self.slots = kernels.victim_select(score, size, exact, gate=gate)  # ascending score
             self.bound = score[self.slots[-1:]]
         else:  # every slot is a candidate (no order needed): nothing outside to stay below
             self.slots = torch.arange(self.capacity, device=self.device)
             self.bound = torch.full((1,), PROTECTED - 1, dtype=torch.int64, device=self.device)
         self.policy = policy if is_monotone(policy) else None
         self.rankings += 1
+        self.ranked += 1 if gate is None else gate.to(torch.int64)
         in_batch = torch.where(protected(self.slots), torch.full_like(self.slots, PROTECTED), score[self.slots])
-        return self.slots[kernels.victim_select(in_batch, min(k, size), exact)]
+        return self.slots[kernels.victim_select(in_batch, min(k, size), exact, gate=gate)]

@@ -14,6 +14,7 @@ from .pooled_forward import (
     pooled_forward_torch,
 )
 from .row_copy import RowCopy, row_copy, row_copy_many, row_copy_many_torch, row_copy_torch
+from .slot_score import SCORE_KINDS, SCORE_LFU, SCORE_LOOKAHEAD, SCORE_LRU, slot_score_triton
 from .slot_lookup import EMPTY_KEY, slot_lookup, slot_lookup_torch
 from .sparse_update import (
     ADAGRAD,

@@ -79,3 +79,12 @@ def persistent_programs(device: torch.device, bound: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def gate_bytes(gate, device: torch.device) -> torch.Tensor:
+    """A gated kernel's [1] run flag as one byte, whatever the caller's flag dtype (one compiled variant);
+    None: run."""
+    if gate is None:
+        return torch.ones(1, dtype=torch.uint8, device=device)
+    flag = gate.reshape(1) if gate.dtype == torch.bool else gate.reshape(1) != 0
+    return flag.view(torch.uint8)

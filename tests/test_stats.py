@@ -56,7 +56,7 @@ def test_window_figures_and_timings():
     assert s["windows"] == sum(1 for k in pipe.window_batches if k > 0) > 0
     assert s["rows_in"] + s["host_rows"] == s["window_rows_in"] + s["misses"]
     assert s["hits"] + s["misses"] == s["unique"]
-    assert s["seconds"]["prepare"] > 0 and s["seconds"]["admit_window"] > 0
+    assert s["seconds"]["prepare"] > 0 and s["seconds"]["admit_window"] > 0 and s["seconds"]["window_protect"] > 0
 
 
 def test_plot_script_writes_a_png(tmp_path):

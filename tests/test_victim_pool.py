@@ -168,3 +168,41 @@ def test_threshold_cut_selects_the_k_smallest(order, k):
     expected = torch.sort(score).indices[:k]
     assert torch.equal(victim_select_torch(score, k, host_sizes=True), expected)
     assert torch.equal(victim_select_torch(score, k), expected)
+
+
+def test_gated_rankings_do_their_work_only_when_the_pool_runs_dry(monkeypatch):
+    """Triton backend under the CUDA rules: the full ranking is launched every batch with the pool's `drained`
+    flag as its gate; it does its work (`ranked`, a device count) only on the batches that need it, and the
+    module keeps the same rows in the same slots as a full ranking of every slot each batch (an unmarked
+    policy, run on the torch reference)."""
+    g = torch.Generator().manual_seed(11)
+    trace = [torch.cat([torch.randint(0, 30, (4,), generator=g), torch.randint(0, 2000, (8,), generator=g)])
+             for _ in range(14)]
+    lfu = POLICIES["lfu"]
+
+    def unmarked(view):
+        return lfu(view)
+
+    def run(policy, backend, sync_free):
+        monkeypatch.setenv("CACHEDEMB_BACKEND", backend)
+        monkeypatch.setenv("CACHEDEMB_SYNC_FREE", sync_free)
+        emb = cachedemb.CachedEmbeddingBag(2000, 4, mode="sum", cache_rows=300, optimizer=optim.SGD(lr=0.1),
+                                           device="cpu", policy=policy,
+                                           _weight=torch.randn(2000, 4, generator=torch.Generator().manual_seed(0)))
+        resident = []
+        for ids in trace:
+            emb(ids, torch.tensor([0])).sum().backward()
+            resident.append(emb.cache.slot_ids[:300].clone())
+        emb.cache.flush()
+        return emb, resident
+
+    pooled, pooled_resident = run("lfu", "triton", "1")
+    ranked, ranked_resident = run(unmarked, "torch", "0")
+    for t, (a, b) in enumerate(zip(pooled_resident, ranked_resident)):
+        assert torch.equal(a, b), f"batch {t}: slots differ"
+    pool = pooled.cache.victim_pool
+    assert pool.slots.numel() < 300  # a pool smaller than the cache (12 lookups: 12 + 12 + 8 x 12 slots)
+    assert pool.rankings == len(trace)  # launched every batch (no host read of the flag) ...
+    assert 1 <= int(pool.ranked) <= 3  # ... and run only when the pool ran dry (here: the first batch, one drain)
+    assert int(ranked.cache.victim_pool.ranked) == ranked.cache.victim_pool.rankings == len(trace)
+    torch.testing.assert_close(pooled.cache.host_weight, ranked.cache.host_weight, rtol=0, atol=1e-6)
