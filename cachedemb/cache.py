@@ -478,6 +478,8 @@ class EmbeddingCache:
             rank_start = time.perf_counter()
             victims = self.victim_pool.choose(policy, self._slot_view, unprotect_hits, protected, k,
                                               n_admit, self._on_host(n_hit, cap), early, self._score_all)
+            if not early:
+                self.victim_pool.observe(n_miss)  # sizes the pool from misses that reached the host
             k = victims.numel()
             if self.victim_pool.rankings != ranked:
                 self.seconds["victim_rank"] += time.perf_counter() - rank_start

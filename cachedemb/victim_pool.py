@@ -20,6 +20,11 @@ keeps the right choice (static shapes, no host read). On the Triton backend the 
 (the built-in policies' scores, kernels/slot_score.py, and the radix selection) are persistent programs that do
 no work while the gate reads 0, so a batch the pool serves costs O(pool) plus a few idle launches; a custom
 policy's torch scoring and the torch reference compute the ranking anyway. The selection is exact either way.
+
+Two levels under the CUDA rules: the static bound on a batch's victims is its lookups, often many times its
+misses. The pool is sized by the misses instead (`k1` victims a batch, ~10 batches of them), from miss counts
+that reach the host without a sync (cachedemb/miss_estimate.py); a batch admitting more than k1 raises the same
+device flag and takes the gated ranking's k victims.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import torch
 
 from cachedemb import kernels
 from cachedemb.kernels import PROTECTED
+from cachedemb.miss_estimate import MissEstimate
 from cachedemb.policy import is_monotone
 
 POOL_BATCHES = 8  # the pool holds about this many batches' worth of victims
@@ -44,6 +50,8 @@ class VictimPool:
         self.policy = None  # None: invalid, the next choice ranks every slot
         self.rankings = 0  # full rankings launched so far (host count; gated ones included)
         self.ranked = torch.zeros(1, dtype=torch.int64, device=self.device)  # rankings that ran ungated or drained
+        self.k1 = 0  # victims the pool serves per batch (CUDA rules), fixed at its ranking
+        self.misses = MissEstimate(self.device)
 
     def invalidate(self) -> None:
         self.policy = None
@@ -55,11 +63,24 @@ class VictimPool:
         self.device = torch.device(device)
         self.slots, self.bound = self.slots.to(self.device), self.bound.to(self.device)
         self.ranked = self.ranked.to(self.device)
+        self.misses = MissEstimate(self.device)
         self.invalidate()
 
     def pool_size(self, k: int, n_hit: int) -> int:
         """P: this batch's k victims past its n_hit protected hits, plus `batches` more batches of k."""
         return min(self.capacity, k + n_hit + self.batches * k)
+
+    def observe(self, n_miss: torch.Tensor) -> None:
+        """This batch's miss count ([1], on the device), for sizing the pool without a host read."""
+        self.misses.push(n_miss)
+
+    def sync_free_sizes(self, k: int) -> tuple[int, int]:
+        """(k1, P) under the CUDA rules: the victims the pool serves per batch and its size. k1 covers the
+        largest recent miss count that reached the host (with a margin, rounded up to a power of two so it
+        rarely changes), at most the static bound k; a batch admitting more takes the gated full ranking."""
+        seen = self.misses.value()
+        k1 = k if seen is None else min(k, 1 << max(4, (seen + seen // 4 + 4 - 1).bit_length()))
+        return k1, min(self.capacity, (self.batches + 2) * k1)
 
     def choose(self, policy, view_of, unprotect_hits, protected, k: int,
                n_admit: torch.Tensor, n_hit: int, exact: bool, score_all=None) -> torch.Tensor:
@@ -68,11 +89,19 @@ class VictimPool:
         (slots None: all C); `unprotect_hits(score)` takes this batch's hit protection off full-view scores in
         place (O(hits)); `score_all(policy, protected, gate)` scores all C slots, free to skip the work while
         the [1] flag `gate` reads 0 (default: the policy over view_of(None, protected)). With `exact` (counts on
-        the host) fewer than k victims may come back, never fewer than n_admit."""
+        the host) fewer than k victims may come back, never fewer than n_admit; without, exactly k (those
+        past n_admit are valid slots, not ranked)."""
         if score_all is None:
             def score_all(policy, protected, gate):
                 return policy(view_of(None, protected))
-        usable = is_monotone(policy) and policy is self.policy and self.slots.numel() >= (1 if exact else k)
+        if exact:
+            k1, size = k, self.pool_size(k, n_hit)
+        else:
+            k1, size = self.sync_free_sizes(k)
+        # Under the CUDA rules the pool keeps its ranking's sizes until more misses than it serves are seen, or
+        # it is 2x or more larger than the recent misses need: then one ungated ranking resizes it.
+        usable = (is_monotone(policy) and policy is self.policy and self.slots.numel() > 0
+                  and (exact or (k1 <= self.k1 and 2 * size > self.slots.numel())))
         if usable:
             pool = self.slots
             # A pool of every slot is arange(C) (see _rank): score the whole view, no gathers by slot
@@ -83,25 +112,28 @@ class VictimPool:
                 if int(n_valid) >= int(n_admit):
                     return pool[kernels.victim_select(score, min(k, pool.numel()), exact)]
             else:
-                from_pool = pool[kernels.victim_select(score, k)]
-                drained = n_valid < n_admit
+                # the pool's k1 lowest serve a batch admitting <= k1 while it holds enough scores <= its bound;
+                # else the gated ranking's k victims (k1 and the pool's size stay the last ranking's)
+                k1 = min(self.k1, k)
+                from_pool = pool[kernels.victim_select(score, k1)]
+                from_pool = torch.cat([from_pool, from_pool.new_zeros(k - k1)])
+                drained = (n_valid < n_admit) | (n_admit > k1)
                 old_slots, old_bound = self.slots, self.bound
-                if self.pool_size(k, n_hit) != old_slots.numel():  # a new pool size: the ranking stands alone
-                    return self._rank(policy, score_all, unprotect_hits, protected, k, n_hit, exact)
-                victims = self._rank(policy, score_all, unprotect_hits, protected, k, n_hit, exact, gate=drained)
+                victims = self._rank(policy, score_all, unprotect_hits, protected, k, k1, pool.numel(), exact,
+                                     gate=drained)
                 self.slots = torch.where(drained, self.slots, old_slots)
                 self.bound = torch.where(drained, self.bound, old_bound)
                 return torch.where(drained, victims, from_pool)
-        return self._rank(policy, score_all, unprotect_hits, protected, k, n_hit, exact)
+        return self._rank(policy, score_all, unprotect_hits, protected, k, k1, size, exact)
 
-    def _rank(self, policy, score_all, unprotect_hits, protected, k, n_hit, exact, gate=None) -> torch.Tensor:
-        """Score every slot (window protection only), keep the P lowest as the pool, and return this batch's k
-        victims from it (its hits protected). With a `gate` ([1] bool) the results only count where it is
-        set (the caller keeps them with torch.where) and the O(cache) work may be skipped where it is not."""
+    def _rank(self, policy, score_all, unprotect_hits, protected, k, k1, size, exact, gate=None) -> torch.Tensor:
+        """Score every slot (window protection only), keep the `size` lowest as the pool (serving k1 victims a
+        batch), and return this batch's k victims (its hits protected). With a `gate` ([1] bool) the results
+        only count where it is set (the caller keeps them with torch.where) and the O(cache) work may be
+        skipped where it is not."""
         all_protected = protected(None)
         score = score_all(policy, all_protected, gate)
         unprotect_hits(score)
-        size = self.pool_size(k, n_hit)
         if size < self.capacity:
             self.slots = kernels.victim_select(score, size, exact, gate=gate)  # ascending score
             self.bound = score[self.slots[-1:]]
@@ -109,7 +141,12 @@ class VictimPool:
             self.slots = torch.arange(self.capacity, device=self.device)
             self.bound = torch.full((1,), PROTECTED - 1, dtype=torch.int64, device=self.device)
         self.policy = policy if is_monotone(policy) else None
+        self.k1 = k1
         self.rankings += 1
         self.ranked += 1 if gate is None else gate.to(torch.int64)
-        in_batch = torch.where(protected(self.slots), torch.full_like(self.slots, PROTECTED), score[self.slots])
-        return self.slots[kernels.victim_select(in_batch, min(k, size), exact, gate=gate)]
+        if k <= size:
+            in_batch = torch.where(protected(self.slots), torch.full_like(self.slots, PROTECTED), score[self.slots])
+            return self.slots[kernels.victim_select(in_batch, min(k, size), exact, gate=gate)]
+        # a pool smaller than this batch's static bound (CUDA rules): its victims from every slot
+        in_batch = torch.where(all_protected, torch.full_like(score, PROTECTED), score)
+        return kernels.victim_select(in_batch, k, exact, gate=gate)

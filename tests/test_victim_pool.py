@@ -206,3 +206,55 @@ def test_gated_rankings_do_their_work_only_when_the_pool_runs_dry(monkeypatch):
     assert 1 <= int(pool.ranked) <= 3  # ... and run only when the pool ran dry (here: the first batch, one drain)
     assert int(ranked.cache.victim_pool.ranked) == ranked.cache.victim_pool.rankings == len(trace)
     torch.testing.assert_close(pooled.cache.host_weight, ranked.cache.host_weight, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy_name", ["lfu", "lookahead"])
+def test_sync_free_pool_sized_by_misses_that_reached_the_host(policy_name, backend, monkeypatch):
+    """Under the CUDA rules the static bound is a batch's lookups (64 here) while it misses a few rows: once miss
+    counts reach the host (two batches late) the pool shrinks to ~10 batches of the recent misses, and a burst
+    admitting more than the pool serves per batch takes the gated full ranking: every batch's victims still
+    equal the brute-force n_admit lowest."""
+    g = random.Random(5)
+    policy = POLICIES[policy_name]
+    C = 600
+    slots = Slots(C, g)
+    pool = VictimPool(C, "cpu")
+    steps = 24 if backend == "torch" else 8
+    bursts = {5, steps - 2}
+    sizes = []
+    for step in range(1, steps + 1):
+        hit = torch.tensor(g.sample(range(C), g.randrange(0, 6)), dtype=torch.int64)
+        protected = slots.window.clone()
+        protected[hit] = True
+        # batches of other shapes: the static bound may fall below what the pool serves a batch
+        k = 64 if step in bursts or step < 6 else g.choice([64, 64, 10])
+        n_miss = 40 if step in bursts else g.randrange(1, 7)
+        n_admit = min(n_miss, int((~protected).sum()))
+        victims = pool.choose(policy, slots.view, unprotect(policy, slots, protected), at(protected), k,
+                              torch.tensor([n_admit]), k, False)
+        pool.observe(torch.tensor([n_miss]))
+        assert victims.numel() == k and bool(((victims >= 0) & (victims < C)).all())
+        assert victims[:n_admit].tolist() == brute_force(policy, slots, protected, n_admit), step
+        sizes.append(pool.slots.numel())
+        slots.freq[hit] += 1
+        slots.last[hit] = step + 5
+        used = victims[:n_admit]
+        slots.ids[used] = torch.tensor([1000 + g.randrange(10**6) for _ in range(n_admit)], dtype=torch.int64)
+        slots.freq[used] = torch.tensor([g.randrange(30) for _ in range(n_admit)], dtype=torch.int64)
+        slots.last[used] = step + 5
+    assert sizes[0] == C  # no count on the host yet: the static bound's pool (10 x 64 > C)
+    assert min(sizes) <= 10 * 16  # then ~10 batches of the misses seen (6 -> 16 a batch)
+    assert int(pool.ranked) < steps  # most batches served by the pool, bursts included via the gate
+
+
+def test_miss_estimate_sees_counts_only_after_they_land():
+    """On CPU a count stands in for a GPU copy that lands `lag` batches later; the estimate is the largest
+    recent one, and a window forgets old bursts."""
+    from cachedemb.miss_estimate import MissEstimate
+
+    est = MissEstimate(torch.device("cpu"), lag=2, window=3)
+    seen = []
+    for count in [5, 9, 2, 1, 1, 1, 1]:
+        est.push(torch.tensor([count]))
+        seen.append(est.value())
+    assert seen == [None, None, 5, 9, 9, 9, 2]
