@@ -141,7 +141,8 @@ class VictimPool:
             self.slots = torch.arange(self.capacity, device=self.device)
             self.bound = torch.full((1,), PROTECTED - 1, dtype=torch.int64, device=self.device)
         self.policy = policy if is_monotone(policy) else None
-        self.k1 = k1
+        if gate is None:  # a gated ranking keeps the pool's sizes (the flag decides which pool stands)
+            self.k1 = k1
         self.rankings += 1
         self.ranked += 1 if gate is None else gate.to(torch.int64)
         if k <= size:
