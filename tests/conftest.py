@@ -59,3 +59,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def skip_triton_on_cpu_without_interpreter(backend: str) -> None:
+    """Tests that run the Triton backend on CPU tensors need the interpreter; on a CUDA machine
+    (TRITON_INTERPRET=0, scripts/gpu_suite.sh) the kernels' CUDA cases run in tests/kernels and test_gpu."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        pytest.skip("the Triton backend on CPU tensors needs TRITON_INTERPRET=1")

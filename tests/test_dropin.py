@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import cachedemb
+from conftest import skip_triton_on_cpu_without_interpreter
 
 pytestmark = [pytest.mark.usefixtures("sizing_mode")]
 
@@ -18,6 +19,7 @@ def backend(request, monkeypatch, sizing_mode):
     # under the interpreter) runs with --slow only.
     if request.param == "triton" and sizing_mode == "sync_free" and not request.config.getoption("--slow"):
         pytest.skip("slow: Triton under sync-free sizing repeats test_sync_free's kernel coverage; --slow runs it")
+    skip_triton_on_cpu_without_interpreter(request.param)
     monkeypatch.setenv("CACHEDEMB_BACKEND", request.param)
     return request.param
 

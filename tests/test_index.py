@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cachedemb.kernels import id_index as X
+from conftest import skip_triton_on_cpu_without_interpreter
 
 CAPACITY = 256  # table of 512 positions: wider than MAX_PROBE, so the bound can bite
 
@@ -104,6 +105,7 @@ def test_one_bucket_batch_is_bounded_by_the_rounds():
 
 @pytest.mark.parametrize("kind", ["random", "high_bits", "one_bucket"])
 def test_triton_index_equals_reference(kind):
+    skip_triton_on_cpu_without_interpreter("triton")
     ref = run_sequence("torch", kind, seed=3, steps=8)
     tri = run_sequence("triton", kind, seed=3, steps=8)
     assert torch.equal(tri[0], ref[0])

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import cachedemb
+from conftest import skip_triton_on_cpu_without_interpreter
 
 pytestmark = [pytest.mark.usefixtures("sizing_mode")]
 
@@ -28,6 +29,7 @@ _EXAMPLES = {"torch": (14, 400), "triton": (2, 40)}
 
 @pytest.fixture(params=["torch", "triton"])
 def backend(request, monkeypatch):
+    skip_triton_on_cpu_without_interpreter(request.param)
     monkeypatch.setenv("CACHEDEMB_BACKEND", request.param)
     return request.param
 

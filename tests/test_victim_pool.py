@@ -12,9 +12,11 @@ from cachedemb import optim
 from cachedemb.kernels import PROTECTED, victim_select_torch
 from cachedemb.policy import POLICIES, SlotView
 from cachedemb.victim_pool import VictimPool
+from conftest import skip_triton_on_cpu_without_interpreter
 
 @pytest.fixture(params=["torch", "triton"])
 def backend(request, monkeypatch):
+    skip_triton_on_cpu_without_interpreter(request.param)
     monkeypatch.setenv("CACHEDEMB_BACKEND", request.param)
     return request.param
 
@@ -175,6 +177,7 @@ def test_gated_rankings_do_their_work_only_when_the_pool_runs_dry(monkeypatch):
     flag as its gate; it does its work (`ranked`, a device count) only on the batches that need it, and the
     module keeps the same rows in the same slots as a full ranking of every slot each batch (an unmarked
     policy, run on the torch reference)."""
+    skip_triton_on_cpu_without_interpreter("triton")
     g = torch.Generator().manual_seed(11)
     trace = [torch.cat([torch.randint(0, 30, (4,), generator=g), torch.randint(0, 2000, (8,), generator=g)])
              for _ in range(14)]
