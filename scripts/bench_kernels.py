@@ -4,7 +4,8 @@ memory bandwidth (host->device copies: of a measured pinned-host->device memcpy)
 Sizes: a cache of 1% of a 33.7M x 128 table, a batch of 16384 bags x 26 Zipf lookups. On CUDA each op runs its
 Triton path (its torch reference is timed beside it); without CUDA the references run on CPU at reduced sizes
 (`--small`, implied). Bytes are the op's minimal traffic (each input read once, each output written once); the time
-includes the launcher (sorts, index setup). Prints one JSON object per op.
+includes the launcher (sorts, index setup). Prints one JSON object per op. `full_ranking_gate_closed` (CUDA) times
+the victim pool's gated full ranking with its flag off: what a batch the pool serves pays for it (no traffic).
 
     python scripts/bench_kernels.py --out benchmarks/results/kernels_h100.json
     python scripts/bench_kernels.py --small
@@ -32,6 +33,7 @@ import time
 import torch
 
 from cachedemb import kernels
+from cachedemb.policy import SlotView, lfu
 
 # Peak HBM bandwidth by device-name fragment (first match).
 PEAK_BW = (("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("H200", 4.8e12), ("A100", 2.0e12))
@@ -185,6 +187,26 @@ def ops(args, b, device):
     yield ("victim_select", pair("victim_select", "victim_select", kernels.victim_select_torch,
                                  lambda f: f(b["score"], k)), b["capacity"] * 8 + k * 8, "hbm")
 
+    # the full ranking's scoring of every slot (lfu), and its cost when the victim pool's gate is closed: what a
+    # batch the pool serves pays for the ranking under the CUDA rules (a few idle persistent launches)
+    C = b["capacity"]
+    g1 = torch.Generator().manual_seed(2)
+    slot_meta = [torch.randint(-1, args.table_rows, (C,), generator=g1), torch.randint(0, 1000, (C,), generator=g1),
+                 torch.randint(0, 1000, (C,), generator=g1), torch.full((C,), -1, dtype=torch.int64)]
+    slot_meta = [t.to(device) for t in slot_meta] + [torch.zeros(C, dtype=torch.bool, device=device)]
+    impls = {"torch": lambda: lfu(SlotView(*slot_meta))}
+    if cuda:
+        impls["triton"] = lambda: kernels.slot_score_triton(kernels.SCORE_LFU, *slot_meta)
+    yield "slot_score", impls, C * (4 * 8 + 1 + 8), "hbm"
+    if cuda:
+        closed = torch.zeros(1, dtype=torch.bool, device=device)
+
+        def gated_ranking():
+            score = kernels.slot_score_triton(kernels.SCORE_LFU, *slot_meta, gate=closed)
+            kernels.victim_select(score, k, gate=closed)
+
+        yield "full_ranking_gate_closed", {"triton": gated_ranking}, 0, "idle"
+
     gen = torch.Generator().manual_seed(1)
     host_rows = min(args.host_rows, args.table_rows)
     host = torch.empty(host_rows, D, dtype=b["dtype"], pin_memory=cuda)
@@ -218,7 +240,7 @@ def run(args):
             "torch": torch.__version__, "small": args.small, "table_rows": args.table_rows,
             "cache_rows": int(args.cache_ratio * args.table_rows), "dim": args.dim, "dtype": args.dtype,
             "bags": args.bags, "pooling": args.pooling, "alpha": args.alpha}
-    peak = {"hbm": None, "h2d": None}
+    peak = {"hbm": None, "h2d": None, "idle": None}  # idle: timed only (no traffic to rate)
     if device.type == "cuda":
         name = meta["device"]
         peak["hbm"] = next((bw for frag, bw in PEAK_BW if frag in name), None)
