@@ -112,11 +112,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         targets = []
         is_kjt = is_torchrec(features, "KeyedJaggedTensor")
         for name, (ids, offsets, psw, _) in self._table_inputs(features, is_kjt).items():
-            bag = self.embedding_bags[name]
-            if isinstance(bag, ShardedDynamicEmbeddingBag):
-                targets += bag.prefetch_targets((ids, offsets, psw))
-            else:
-                targets += bag.prefetch_exchange(ids, offsets, psw)
+            targets += self.embedding_bags[name].prefetch_targets((ids, offsets, psw))  # dense or dynamic
         return targets
 
     def _table_inputs(self, features, is_kjt: bool) -> dict[str, tuple]:
