@@ -27,6 +27,7 @@ from cachedemb.collection_capture import NotScriptableError, fx_lookup, fx_looku
 from cachedemb.collection_inputs import CollectionInputs, is_torchrec, torchrec_type
 from cachedemb.dynamic import DynamicEmbeddingBag, DynamicIds
 from cachedemb.embedding_bag import CachedEmbeddingBag
+from cachedemb.errors import InvalidWeightDtypeError, InvalidWeightShapeError
 from cachedemb.meta_init import probe_apply
 from cachedemb.optim import SparseOptimizer
 from cachedemb.policy import Policy
@@ -61,6 +62,43 @@ class _DynamicGroupBag(DynamicEmbeddingBag):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         return None
+
+
+class _TableRows(nn.Parameter):
+    """`embedding_bags[table].weight`: a view of the table's rows in its group's host table (a Parameter, as
+    torchrec's is, so code comparing or type-checking it against torchrec's keeps working). Tables of a group
+    share one host table, so rebinding this tensor's storage (`.data = t`, `.set_(t)`, as code written for
+    torchrec's Parameters does) cannot make t the table: the collection copies t's rows into the table instead,
+    so the next forward and every later step use them. Other ops see a plain tensor; copies are plain tensors."""
+
+    @staticmethod
+    def of(rows: torch.Tensor, owner: "CachedEmbeddingBagCollection", index: int) -> "_TableRows":
+        view = rows.as_subclass(_TableRows)
+        view._owner, view._index = owner, index
+        return view
+
+    @property
+    def data(self):
+        return torch.Tensor.data.__get__(self).as_subclass(torch.Tensor)
+
+    @data.setter
+    def data(self, value):
+        self._owner._adopt_table_rows(self._index, value)
+
+    def set_(self, source=None, *args, **kwargs):
+        if source is None or args or kwargs or not torch.is_tensor(source):
+            raise TypeError("embedding_bags[table].weight.set_ takes one tensor (the table's new rows)")
+        self._owner._adopt_table_rows(self._index, source)
+        return self
+
+    def __deepcopy__(self, memo):
+        return torch.Tensor.clone(self.data)
+
+    def __reduce_ex__(self, protocol):
+        return torch.Tensor.__reduce_ex__(self.data, protocol)
+
+    def __repr__(self):
+        return torch.Tensor.__repr__(self.data)
 
 
 class _TableView(nn.Module):
@@ -308,6 +346,8 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         if not self.bags:  # dtype conversions (.half(), .to(dtype)) apply to the tables still to be allocated
             self.tables = [replace(t, dtype=self._probe(fn, t.dtype).dtype) for t in self.tables]
             self._plan_groups()
+        if self.bags:
+            self.adopt_rebound_tables()
         if probe.device.type == "meta":
             self.bags = nn.ModuleList()
         elif not self.bags and self.tables:
@@ -341,6 +381,7 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         """Re-initialize every table with its init_fn, as torchrec's EmbeddingBagCollection (nothing on meta)."""
         if not self.bags:
             return
+        self.adopt_rebound_tables()
         for i, t in enumerate(self.tables):
             if t.dynamic is None:  # a dynamic table's rows are initial_rows(seed, id), made on admission
                 t.initialize(self._table_rows(i))
@@ -368,6 +409,7 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             ebc = EmbeddingBagCollection(configs, is_weighted=self.is_weighted_, device=device)
         if self.bags:
+            self.adopt_rebound_tables()
             with torch.no_grad():
                 for i, t in enumerate(self.tables):
                     ebc.embedding_bags[t.name].weight.copy_(self._host_rows(i))
@@ -389,6 +431,7 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         is_kjt = is_torchrec(features, "KeyedJaggedTensor")
         if not self.bags:
             return self._unmaterialized_output(features, jagged, is_kjt)
+        self.adopt_rebound_tables()
         pooled = self._pool(*self._group_inputs(features, jagged))
         if is_kjt:
             return self._keyed_tensor(self._concat(pooled))
@@ -476,6 +519,7 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         `cachedemb.prefetch`, which admits a window's rows ahead of the forwards."""
         if not self.bags:
             return []
+        self.adopt_rebound_tables()
         _, inputs = self._group_inputs(features, jagged)
         targets = []
         for bag, (ids, _, _) in zip(self.bags, inputs):
@@ -501,6 +545,7 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
 
     def flush(self) -> None:
         """Write every dirty cached row (and optimizer state) back to the host tables."""
+        self.adopt_rebound_tables()
         for bag in self.bags:
             bag.flush()
 
@@ -520,8 +565,41 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
                              ".export_keyed()")
         if not self.bags:
             return torch.empty(t.num_embeddings, t.embedding_dim, dtype=t.dtype, device=_META)
+        self.adopt_rebound_tables()
         g, lo = self._table_group[i]
-        return self.bags[g].weight[lo:lo + t.num_embeddings]
+        return _TableRows.of(self.bags[g].weight[lo:lo + t.num_embeddings], self, i)
+
+    def adopt_rebound_tables(self) -> None:
+        """Adopt a group's weight rebound behind its back (`p.data = t` over `parameters()`): see
+        CachedEmbeddingBag.adopt_rebound_table. O(groups), no device sync."""
+        for bag in self.bags:
+            if not isinstance(bag, DynamicEmbeddingBag):
+                bag.adopt_rebound_table()
+
+    def _adopt_table_rows(self, i: int, value) -> None:
+        """`embedding_bags[table].weight.data = value` (or `.set_(value)`): value's rows become the table's,
+        copied into its rows of the group's host table (tables share it) after the group's pending rows are
+        written back; checked first, so nothing changes when it cannot be adopted."""
+        t = self.tables[i]
+        g, lo = self._table_group[i]
+        bag = self.bags[g]
+        expected = (t.num_embeddings, t.embedding_dim)
+        if not torch.is_tensor(value):
+            raise TypeError(f"embedding_bags[{t.name!r}].weight.data must be set to a tensor, got "
+                            f"{type(value).__name__}")
+        if tuple(value.shape) != expected:
+            raise InvalidWeightShapeError(f"embedding_bags[{t.name!r}].weight must have shape {expected}, got "
+                                          f"{tuple(value.shape)}")
+        if value.dtype != bag.cache.dtype:
+            raise InvalidWeightDtypeError(
+                f"embedding_bags[{t.name!r}].weight is {bag.cache.dtype} (its group's host table), got a "
+                f"{value.dtype} tensor: convert it, or the collection with .to(dtype)")
+        if value.device.type == "meta":
+            raise InvalidWeightShapeError(f"embedding_bags[{t.name!r}].weight cannot take a meta tensor (no data)")
+        self.adopt_rebound_tables()
+        bag.flush()
+        bag.cache.host_weight[lo:lo + t.num_embeddings].copy_(value.detach())
+        bag.cache.reload()
 
     def _host_rows(self, i: int) -> torch.Tensor:
         """Table i's rows in the host table after a flush, without handing the group's weight out."""
@@ -542,6 +620,7 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         if not self.bags:
             destination[prefix + "weight"] = self._table_rows(i)
             return
+        self.adopt_rebound_tables()
         g, lo = self._table_group[i]
         bag, hi = self.bags[g], lo + self.tables[i].num_embeddings
         destination[prefix + "weight"] = self._host_rows(i)
@@ -557,6 +636,8 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
                 DynamicEmbeddingBag._load_from_state_dict(self.bags[self._table_group[i][0]], state_dict, prefix,
                                                           {}, True, missing_keys, unexpected_keys, error_msgs)
             return
+        if self.bags:
+            self.adopt_rebound_tables()
         known = {prefix + "weight"}
         writes = []  # (key, value, host tensor whose rows [lo, lo + num_embeddings) it fills)
         if prefix + "weight" not in state_dict:

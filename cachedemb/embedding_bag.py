@@ -12,11 +12,12 @@ from cachedemb import kernels
 from cachedemb.cache import BatchPlan, EmbeddingCache, pinned_empty, state_dtype
 from cachedemb.errors import (
     InvalidPaddingIdxError,
+    InvalidWeightDtypeError,
     InvalidWeightShapeError,
     NotScriptableError,
     StaleTableWriteError,
 )
-from cachedemb.input_check import BagInput, normalize_bag_input
+from cachedemb.input_check import BagInput, integer_arg, normalize_bag_input, size_arg
 from cachedemb.meta_init import MetaTable, TableInit, init_rows, probe_apply
 from cachedemb.optim import SparseOptimizer
 from cachedemb.policy import Policy
@@ -119,9 +120,9 @@ class CachedEmbeddingBag(nn.Module):
       updated inside backward (fused, one step per backward), in the cache, written back on eviction. Training
       equals full-table training with the same optimizer.
     * `optimizer=None` (nn.EmbeddingBag's way): `weight` is the module's Parameter — the host table itself —
-      and backward leaves its gradient in id space in `weight.grad`: a sparse COO tensor over the batch's
-      distinct ids with `sparse=True`, else a dense [num_embeddings, dim] host tensor (a full-table buffer and
-      a pass over it per step: use sparse=True for large tables). Any torch optimizer over `parameters()`
+      and backward leaves its gradient in id space in `weight.grad`: with `sparse=True` nn.EmbeddingBag's own
+      sparse COO gradient (a row per lookup), else a dense [num_embeddings, dim] host tensor (a full-table buffer
+      and a pass over it per step: use sparse=True for large tables). Any torch optimizer over `parameters()`
       then trains exactly as with nn.EmbeddingBag, its state per id. Every forward that records a gradient
       re-reads the batch's rows from the host table, so the table stays the single truth.
 
@@ -162,9 +163,13 @@ class CachedEmbeddingBag(nn.Module):
                  validate_inputs: bool = True, stats_history: int = 0, freq_halflife: int | None = None,
                  count_in_eval: bool = False, dynamic=None, _init: TableInit | None = None):
         super().__init__()
+        num_embeddings = size_arg("num_embeddings", num_embeddings)
+        embedding_dim = size_arg("embedding_dim", embedding_dim)
+        if cache_rows is not None:
+            cache_rows = integer_arg("cache_rows", cache_rows)
         self._check_args(num_embeddings, embedding_dim, max_norm, norm_type, mode, cache_ratio, cache_rows,
                          optimizer, warmup_ratio, _weight)
-        self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.max_norm, self.norm_type, self.scale_grad_by_freq = max_norm, norm_type, bool(scale_grad_by_freq)
         self.mode, self.sparse, self.include_last_offset = mode, sparse, include_last_offset
         self.padding_idx = self._check_padding_idx(padding_idx)
@@ -236,6 +241,7 @@ class CachedEmbeddingBag(nn.Module):
         collection's table: its init_fn); optimizer state is left as it is. Nothing to draw on meta."""
         if self.is_meta:
             return
+        self.adopt_rebound_table()
         self.cache.flush()
         init_rows(self._init, self.num_embeddings, self.embedding_dim, self.cache.dtype, 0, self.num_embeddings,
                   out=self.cache.host_weight)
@@ -245,10 +251,6 @@ class CachedEmbeddingBag(nn.Module):
     @staticmethod
     def _check_args(num_embeddings, embedding_dim, max_norm, norm_type, mode, cache_ratio, cache_rows, optimizer,
                     warmup_ratio, weight):
-        if isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings < 1:
-            raise ValueError(f"num_embeddings must be a positive int, got {num_embeddings!r}")
-        if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
-            raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
         if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
             raise ValueError(f"max_norm must be a positive number or None, got {max_norm!r}")
         if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool):
@@ -257,7 +259,7 @@ class CachedEmbeddingBag(nn.Module):
             raise ValueError(f"mode must be one of {sorted(kernels.MODES)}, got {mode!r}")
         if cache_rows is None and not (isinstance(cache_ratio, (int, float)) and 0 < cache_ratio <= 1):
             raise ValueError(f"cache_ratio must be in (0, 1], got {cache_ratio!r}")
-        if cache_rows is not None and (not isinstance(cache_rows, int) or cache_rows < 1):
+        if cache_rows is not None and cache_rows < 1:
             raise ValueError(f"cache_rows must be a positive int, got {cache_rows!r}")
         if optimizer is not None and not isinstance(optimizer, SparseOptimizer):
             raise TypeError(f"optimizer must be a cachedemb.optim spec (SGD, Adagrad, RowWiseAdagrad, Adam) or "
@@ -272,6 +274,7 @@ class CachedEmbeddingBag(nn.Module):
     def _check_padding_idx(self, padding_idx):
         if padding_idx is None:
             return None
+        padding_idx = integer_arg("padding_idx", padding_idx)
         n = self.num_embeddings
         if not -n <= padding_idx < n:
             raise InvalidPaddingIdxError(f"padding_idx must be within num_embeddings: [-{n}, {n}), "
@@ -329,8 +332,14 @@ class CachedEmbeddingBag(nn.Module):
             return nn.functional.embedding_bag(
                 input, self._table, offsets, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.mode,
                 self.sparse, per_sample_weights, self.include_last_offset, self.padding_idx)
+        if self.num_embeddings == 0 or self.embedding_dim == 0:  # an empty table (nn allows one): no rows to cache
+            return nn.functional.embedding_bag(
+                input, self._table.to(input.device), offsets, self.max_norm, self.norm_type,
+                self.scale_grad_by_freq, self.mode, self.sparse, per_sample_weights, self.include_last_offset,
+                self.padding_idx)
         if not getattr(self, "_shard_local", False):
             _refuse_unsharded_world()
+        self.adopt_rebound_table()
         cache = self.cache
         bags = normalize_bag_input(input, offsets, per_sample_weights, mode=self.mode,
                                    include_last_offset=self.include_last_offset,
@@ -446,24 +455,49 @@ class CachedEmbeddingBag(nn.Module):
             cache.mark_dirty(plan)
 
     def _weight_grad(self, plan: BatchPlan, bags: BagInput, grad_out, psw, max_pos, grad_scale) -> torch.Tensor:
-        """The table's gradient in id space (optimizer=None): sparse COO over the batch's distinct ids, or a
-        dense full-table tensor. Reads the distinct-id count on the host (one sync on CUDA) and moves the
-        [distinct ids, D] gradient to the host table's device."""
+        """The table's gradient in id space (optimizer=None), on the host table's device: nn.EmbeddingBag's own
+        sparse gradient (below), or a dense full-table tensor built from the per-id sums (reads the distinct-id
+        count on the host: one sync on CUDA)."""
         table = self._table
+        if self.sparse:
+            return self._sparse_weight_grad(plan, bags, grad_out, psw, grad_scale)
         n = int(plan.n_uniq)
         extra = {"grad_scale_u": grad_scale} if grad_scale is not None else {}
         grad_u = kernels.bag_backward(grad_out, plan.inverse, bags.offsets, bags.mode, psw, max_pos, n_rows=n,
                                       groups=plan.groups, **extra)
         ids = plan.uniq[:n].to(table.device)
         values = grad_u[:n].to(device=table.device, dtype=table.dtype)
-        if self.sparse:
-            grad = torch.sparse_coo_tensor(ids.unsqueeze(0), values, tuple(table.shape), check_invariants=False)
-            return grad._coalesced_(True)
         return torch.zeros(tuple(table.shape), dtype=table.dtype, device=table.device).index_add(0, ids, values)
+
+    def _sparse_weight_grad(self, plan: BatchPlan, bags: BagInput, grad_out, psw, grad_scale) -> torch.Tensor:
+        """nn.EmbeddingBag's sparse gradient, value for value: one uncoalesced row per non-padding lookup, in
+        lookup order, grad_out[bag] times (1 / bag size) for mean, times the lookup's per-sample weight. A torch
+        optimizer then sees exactly what it sees with nn.EmbeddingBag (sparse SGD adds duplicates one by one:
+        per-id sums would round differently), so training is bit-identical. [lookups, D] values, as nn's; the
+        padding filter reads a count on the host (one sync on CUDA)."""
+        table = self._table
+        ids = bags.ids
+        bag = kernels.bag_of_lookup(bags.offsets, ids.numel())
+        values = grad_out.index_select(0, bag)
+        keep = ids != bags.pad_id if bags.pad_id is not None else None
+        if bags.mode == kernels.MODE_MEAN:
+            live = keep.to(values.dtype) if keep is not None else torch.ones_like(ids, dtype=values.dtype)
+            size = torch.zeros(bags.offsets.numel() - 1, dtype=values.dtype, device=ids.device).index_add_(0, bag, live)
+            values = values * (1 / size).index_select(0, bag).unsqueeze(1)
+        if psw is not None:
+            values = values * psw.to(values.dtype).unsqueeze(1)
+        if grad_scale is not None:  # scale_grad_by_freq (nn refuses it with sparse gradients)
+            values = values * grad_scale.index_select(0, plan.inverse.clamp(min=0)).to(values.dtype).unsqueeze(1)
+        if keep is not None:
+            ids, values = ids[keep], values[keep]
+        values = values.to(device=table.device, dtype=table.dtype)
+        return torch.sparse_coo_tensor(ids.to(table.device).unsqueeze(0), values, tuple(table.shape),
+                                       check_invariants=False)
 
     def prefetch_targets(self, batch) -> list[tuple[EmbeddingCache, torch.Tensor]]:
         """The ids this module will look up for `batch`: a tensor of ids, an (input, offsets, ...) tuple, or a
         dict with "input". Used by cachedemb.prefetch."""
+        self.adopt_rebound_table()
         if isinstance(batch, dict):
             batch = batch["input"]
         elif isinstance(batch, (tuple, list)):
@@ -510,25 +544,75 @@ class CachedEmbeddingBag(nn.Module):
         return self._table
 
     def _replace_table(self, value) -> None:
-        """`m.weight = nn.Parameter(t)`: t becomes the table (its storage moved to pinned host memory if it
-        is not there); the old table's cached rows are dropped."""
+        """`m.weight = nn.Parameter(t)`: t becomes the table (see `_adopt`)."""
         if not isinstance(value, nn.Parameter):
             raise TypeError(f"cannot assign '{torch.typename(value)}' as parameter 'weight' "
                             "(torch.nn.Parameter expected)")
+        self._adopt(value)
+
+    def adopt_rebound_table(self) -> None:
+        """Adopt a table whose storage was replaced behind the module's back: `m.weight.data = t` or
+        `m.weight.set_(t)` (the reference DLRM script initializes its tables with `.data = ...`) rebind the
+        Parameter without telling it. O(1) per call (the Parameter's data pointer and layout against the
+        cache's host table), no device sync; every entry point that reads or writes the table calls it."""
+        if self.is_meta:
+            return
+        table, host = self.__dict__["_table"], self.cache.host_weight
+        if (table.data_ptr() == host.data_ptr() and table.dtype == host.dtype and table.shape == host.shape
+                and table.stride() == host.stride() and table.device == host.device):
+            return
+        self._adopt(table)
+
+    def _adopt(self, param: nn.Parameter) -> None:
+        """Make `param` (its current data) the table: checked first, so a table that cannot be adopted raises
+        before anything changes; data that is not a contiguous host tensor (pinned where CUDA exists) is copied
+        there once and `param` rebound to the copy. The old table gets the cache's pending rows and optimizer
+        state (written before the replacement, as nn.EmbeddingBag's steps would have been), the optimizer state
+        stays per id (as a torch optimizer's state stays with its Parameter), and every cached row is re-read."""
         expected = (self.num_embeddings, self.embedding_dim)
-        if tuple(value.shape) != expected:
-            raise InvalidWeightShapeError(f"weight must have shape {expected}, got {tuple(value.shape)}")
-        if value.dtype not in _TABLE_DTYPES:
-            raise TypeError(f"weight dtype must be one of {', '.join(map(str, _TABLE_DTYPES))}, got {value.dtype}")
-        host = self._host_table(value, value.dtype)
-        if host.data_ptr() != value.data_ptr():
-            value.data = host
-        self.cache.dirty.zero_()  # the old table's pending updates go with it
-        self.cache.replace_host_table(value.data)
-        self._set_table(value)
+        if tuple(param.shape) != expected:
+            raise InvalidWeightShapeError(
+                f"weight must have shape {expected} (num_embeddings, embedding_dim), got {tuple(param.shape)}: a "
+                "table of another shape needs a new CachedEmbeddingBag (e.g. CachedEmbeddingBag.from_pretrained)")
+        if param.dtype not in _TABLE_DTYPES:
+            raise InvalidWeightDtypeError(f"weight dtype must be one of {', '.join(map(str, _TABLE_DTYPES))}, "
+                                          f"got {param.dtype}")
+        if param.device.type == "meta":
+            raise InvalidWeightShapeError("weight has no data (a meta tensor): bind a table with values")
+        host = self._host_table(param, param.dtype)
+        copied = host.data_ptr() != param.data_ptr()
+        if copied and _storage_users(param) > 2:  # the Parameter + the storage object asked: someone else holds it
+            warnings.warn(
+                "CachedEmbeddingBag: the new table was copied once into host memory the cache can read (pinned, "
+                f"contiguous; it was {param.device.type}{', not pinned' if param.device.type == 'cpu' else ''}); "
+                "later writes through the tensor you bound are not seen: write through `m.weight`.", stacklevel=4)
+        self.cache.flush()
+        if copied:
+            param.data = host
+        # The cache's own alias (`.data`, a separate version counter: see _build).
+        self.cache.replace_host_table(param.data)
+        self._set_table(param)
+
+    def __getstate__(self):
+        """Copies (copy.deepcopy, pickle, torch.save of the module) take the table with every cached update:
+        the cache is written back first."""
+        if not self.is_meta:
+            self.adopt_rebound_table()
+            self.cache.flush()
+        return super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+
+    def __setstate__(self, state):
+        """A copy's Parameter got its own storage (Parameter.__deepcopy__ clones its data) apart from the copied
+        cache's host alias: the alias is bound to the copy's table again (equal values: flushed before)."""
+        super().__setstate__(state)
+        table = self.__dict__["_table"]
+        if not self.is_meta and self.cache.host_weight.data_ptr() != table.data_ptr():
+            self.cache.host_weight = table.data
+        self._handed_out, self._seen_version = False, table._version
 
     def flush(self) -> None:
         """Write every dirty cached row (and its optimizer state) back to the host table."""
+        self.adopt_rebound_table()
         self.cache.flush()
 
     def __prepare_scriptable__(self):
@@ -540,6 +624,7 @@ class CachedEmbeddingBag(nn.Module):
     def to_embedding_bag(self, device=None) -> nn.EmbeddingBag:
         """A plain nn.EmbeddingBag with a copy of the full table (for serving or export); needs the table to
         fit where it goes."""
+        self.adopt_rebound_table()
         self.cache.flush()
         weight = self.cache.host_weight.to(device=device or "cpu", copy=True)
         return nn.EmbeddingBag.from_pretrained(weight, freeze=False, mode=self.mode, sparse=self.sparse,
@@ -569,6 +654,7 @@ class CachedEmbeddingBag(nn.Module):
         if self.is_meta:  # shapes only (nn.Module's meta state_dict); optimizer state is made on materialization
             destination[prefix + "weight"] = self._table if keep_vars else self._table.detach()
             return
+        self.adopt_rebound_table()
         self.cache.flush()
         destination[prefix + "weight"] = self._table if keep_vars else self._table.detach()
         if self.optimizer is not None:
@@ -587,6 +673,7 @@ class CachedEmbeddingBag(nn.Module):
         if tuple(weight.shape) != expected:
             error_msgs.append(f"size mismatch for {key}: expected {expected}, got {tuple(weight.shape)}")
             return
+        self.adopt_rebound_table()
         states = {}
         for name, host in self.cache.host_states.items():
             skey = prefix + f"optimizer.{name}"
@@ -616,6 +703,7 @@ class CachedEmbeddingBag(nn.Module):
         `.to(device)` allocate the table zeroed (`reset_parameters()` draws it) and the cache on that device."""
         if self.is_meta:
             return self._materialize(fn)
+        self.adopt_rebound_table()
         probe = fn(torch.zeros(1, dtype=self.cache.dtype, device=self.cache.device))
         if probe.dtype != self.cache.dtype:
             if probe.dtype not in _TABLE_DTYPES:

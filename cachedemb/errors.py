@@ -31,6 +31,20 @@ class InvalidWeightShapeError(ValueError, AssertionError):
     """_weight of another shape than (num_embeddings, embedding_dim) (nn.EmbeddingBag: AssertionError)."""
 
 
+class NotAnIntegerError(TypeError, IndexError):
+    """A size or index argument that is not an integer: numpy integers, 0-d integer tensors and anything with
+    `__index__` are (nn.EmbeddingBag: TypeError for sizes, IndexError for padding_idx)."""
+
+
+class NegativeSizeError(ValueError, RuntimeError):
+    """A negative num_embeddings or embedding_dim (nn.EmbeddingBag: RuntimeError from torch.empty)."""
+
+
+class InvalidWeightDtypeError(TypeError, RuntimeError):
+    """A table of a dtype the cache cannot hold, e.g. an integer tensor bound through `weight.data = t`
+    (nn.EmbeddingBag: RuntimeError)."""
+
+
 class StaleTableWriteError(RuntimeError):
     """The host table was written through a reference to `weight` held across fused training steps whose
     updates are still in the cache: applying either would silently drop the other."""

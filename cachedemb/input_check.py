@@ -12,13 +12,14 @@ include_last_offset) are padding too: they sit in phantom bags at either end who
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 
 from cachedemb import kernels
-from cachedemb.errors import (InvalidIdError, InvalidInputTypeError, InvalidOffsetsError, NotATensorError,
-                              UnsupportedModeError)
+from cachedemb.errors import (InvalidIdError, InvalidInputTypeError, InvalidOffsetsError, NegativeSizeError,
+                              NotAnIntegerError, NotATensorError, UnsupportedModeError)
 from cachedemb.sync_mode import counts_on_host
 
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -44,6 +45,30 @@ class BagInput:
     @property
     def num_bags(self) -> int:
         return self.offsets.numel() - 1 - self.lead - self.trail
+
+
+def integer_arg(name: str, value) -> int:
+    """`value` as a Python int, accepting what nn.EmbeddingBag accepts for its sizes and indices (ints, numpy
+    integers, one-element integer tensors, anything with `__index__`; the reference DLRM script parses its table
+    sizes with numpy) and refusing the rest with nn's exception type. bool is refused: nn refuses it as a size."""
+    if torch.is_tensor(value):
+        if value.numel() == 1 and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+            return int(value.item())
+    elif not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise NotAnIntegerError(f"{name} must be an integer (int, numpy integer, one-element integer tensor), got "
+                            f"{type(value).__name__} {value!r}")
+
+
+def size_arg(name: str, value) -> int:
+    """A table size (num_embeddings, embedding_dim): an integer >= 0, as nn.EmbeddingBag takes it."""
+    size = integer_arg(name, value)
+    if size < 0:
+        raise NegativeSizeError(f"{name} must be >= 0, got {size}")
+    return size
 
 
 def _check_int_tensor(name: str, t) -> None:

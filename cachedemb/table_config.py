@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cachedemb.dynamic import DynamicIds
+from cachedemb.input_check import integer_arg
 from cachedemb.meta_init import TableInit
 
 POOLINGS = ("sum", "mean")
@@ -41,9 +42,10 @@ class TableConfig:
         if self.dynamic is not None:
             self._check_dynamic()
         for field in ("num_embeddings", "embedding_dim"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            value = integer_arg(f"TableConfig {self.name!r}: {field}", getattr(self, field))
+            if value < 1:
                 raise ValueError(f"TableConfig {self.name!r}: {field} must be a positive int, got {value!r}")
+            object.__setattr__(self, field, value)
         if isinstance(self.feature_names, str):
             raise ValueError(f"TableConfig {self.name!r}: feature_names must be a list of names, got the string "
                              f"{self.feature_names!r}; write [{self.feature_names!r}]")

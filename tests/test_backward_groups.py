@@ -64,8 +64,9 @@ def batches(steps, num, seed=0):
 def train(optimizer, mode, steps):
     """A few steps through a small cache (misses, host-served rows, padding); the table afterwards."""
     torch.manual_seed(0)
+    # optimizer=None: the dense gradient is the one built from the per-id sums (the sparse one is nn's, per lookup)
     emb = cachedemb.CachedEmbeddingBag(60, 4, mode=mode, cache_rows=8, padding_idx=2, optimizer=optimizer,
-                                       sparse=optimizer is None, device="cpu")
+                                       sparse=False, device="cpu")
     sgd = torch.optim.SGD(emb.parameters(), lr=0.5) if optimizer is None else None
     for ids, offsets, target in batches(steps, 60):
         if sgd is not None:

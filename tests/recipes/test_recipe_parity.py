@@ -52,9 +52,10 @@ def _auc(model, split, names, kjt: bool) -> float:
 # g / (sqrt(sum g^2) + 1e-10) turns last-bit differences of near-zero gradient elements into steps of up to lr.
 # DCN's multiplicative cross layers then amplify them (measured max |logit difference| against torchrec: 3e-3
 # after 12 scheduled steps, the same at a 100% cache as at 1%, so the drift is the summation order, not the
-# cache); the dot model stays within 1e-5 over 24. The cache itself is exact: a 1% cache trains bit-equal to a
-# 100% one (checked below).
-@pytest.mark.parametrize("preset, steps, table_atol", [("criteo-kaggle", 24, 1e-5), ("criteo-1tb", 6, 2.02 * 0.005)])
+# cache); the dot model's tables stay within 5e-5 over 24 (measured: all but one of 334k elements within 1e-5 on
+# one machine, one near-zero element at 1.7e-5 on another, as the MKL build's summation order varies). The cache
+# itself is exact: a 1% cache trains bit-equal to a 100% one (checked below).
+@pytest.mark.parametrize("preset, steps, table_atol", [("criteo-kaggle", 24, 5e-5), ("criteo-1tb", 6, 2.02 * 0.005)])
 def test_cached_collection_trains_as_torchrec(data_dir, preset, steps, table_atol):
     p = PRESETS[preset]
     dim = 16  # the 1TB preset's 128 scaled down for CPU; every other setting is the preset's
