@@ -13,8 +13,8 @@ from torch import nn
 
 
 def _cached_types():
-    from cachedemb.collection import CachedEmbeddingBagCollection
-    from cachedemb.embedding_bag import CachedEmbeddingBag
+    from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection
+    from cachedemb.modules.embedding_bag import CachedEmbeddingBag
     return CachedEmbeddingBag, CachedEmbeddingBagCollection
 
 

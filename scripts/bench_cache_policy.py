@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 import cachedemb
-from cachedemb import cache_sim
-from cachedemb.traces import criteo_like_trace, criteo_table_sizes, load_trace, table_offsets, zipf_trace
+from cachedemb.tools import cache_sim
+from cachedemb.tools.traces import criteo_like_trace, criteo_table_sizes, load_trace, table_offsets, zipf_trace
 
 
 def module_run(trace, num_rows, capacity, policy, horizon=None, depth=4, table_starts=None, overlap=False):

@@ -33,7 +33,7 @@ import time
 import torch
 
 from cachedemb import kernels
-from cachedemb.policy import SlotView, lfu
+from cachedemb.cache.policy import SlotView, lfu
 
 # Peak HBM bandwidth by device-name fragment (first match).
 PEAK_BW = (("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("H200", 4.8e12), ("A100", 2.0e12))
@@ -291,7 +291,7 @@ def run_aot(args):
     import triton
     from triton import knobs
 
-    from cachedemb import aot
+    from cachedemb.tools import aot
 
     missing = aot.toolchain_missing()
     if missing:

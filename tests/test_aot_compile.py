@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cachedemb import aot
+from cachedemb.tools import aot
 
 ARCHS = (90, 80)
 _MISSING = aot.toolchain_missing()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 try:
-    from cachedemb import cache_sim, traces
+    from cachedemb.tools import cache_sim, traces
 except ImportError:  # the package __init__ is written elsewhere; load the two modules directly
     _root = pathlib.Path(__file__).resolve().parents[1] / "cachedemb"
 

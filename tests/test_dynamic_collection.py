@@ -8,9 +8,9 @@ import torch
 
 import cachedemb
 from cachedemb import optim
-from cachedemb.collection import CachedEmbeddingBagCollection
-from cachedemb.dynamic import DynamicIds
-from cachedemb.table_config import TableConfig
+from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection
+from cachedemb.dynamic.embedding_bag import DynamicIds
+from cachedemb.collection.table_config import TableConfig
 from test_dynamic import DIM, POOL, Reference, check_rows_equal
 
 torchrec = pytest.importorskip("torchrec")

@@ -16,7 +16,7 @@ from cachedemb.distributed.model_parallel import (
     shard,
 )
 from cachedemb.distributed.plan import ShardingPlan, ShardingType, TableSharding, default_plan
-from cachedemb.distributed.sharded_bag import ShardedEmbeddingBag
+from cachedemb.distributed.bag import ShardedEmbeddingBag
 
 __all__ = ["DistributedModelParallel", "ShardedEmbeddingBag", "ShardingPlan", "ShardingType", "TableSharding",
            "default_plan", "exchange_stats", "gather_full_state_dict", "load_full_state_dict", "plan_for", "shard"]

@@ -248,7 +248,7 @@ def save_distributed_checkpoint(directory: Path, model, dense_opt, position: dic
     """Every rank writes its rows (DCP) into a fresh step directory; rank 0 adds the trainer state, then points
     the `latest.dcp` symlink at it with one atomic rename (and drops the previous one): a job killed at any
     point still finds its previous checkpoint whole."""
-    from cachedemb.checkpoint import fsync_directory
+    from cachedemb.modules.checkpoint import fsync_directory
     from cachedemb.distributed import checkpoint as dcp_ckpt
 
     link = directory / DIST_CHECKPOINT

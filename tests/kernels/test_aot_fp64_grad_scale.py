@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from cachedemb import aot, kernels
+from cachedemb import kernels
+from cachedemb.tools import aot
 
 from .test_fp64_grad_scale import MODES, RULES, Case, acc_dtype_of, make_states, max_pos_of
 

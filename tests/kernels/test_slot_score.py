@@ -13,7 +13,7 @@ import torch
 from cachedemb.kernels import PROTECTED
 from cachedemb.kernels.slot_score import SCORE_LFU, slot_score_triton
 from cachedemb.kernels.victim_select import victim_select_torch, victim_select_triton
-from cachedemb.policy import POLICIES, SlotView, score_kernel
+from cachedemb.cache.policy import POLICIES, SlotView, score_kernel
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if not INTERPRETED and not torch.cuda.is_available():

@@ -7,8 +7,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from cachedemb.dynamic import DynamicIds
-from cachedemb.meta_init import TableInit
+from cachedemb.dynamic.embedding_bag import DynamicIds
+from cachedemb.modules.meta_init import TableInit
 
 POOLINGS = ("sum", "mean")
 DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}  # torchrec DataType names

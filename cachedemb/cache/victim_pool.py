@@ -32,8 +32,8 @@ import torch
 
 from cachedemb import kernels
 from cachedemb.kernels import PROTECTED
-from cachedemb.miss_estimate import MissEstimate
-from cachedemb.policy import is_monotone
+from cachedemb.cache.miss_estimate import MissEstimate
+from cachedemb.cache.policy import is_monotone
 
 POOL_BATCHES = 8  # the pool holds about this many batches' worth of victims
 

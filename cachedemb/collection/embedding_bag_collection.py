@@ -21,16 +21,16 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from cachedemb import collection_capture as capture
-from cachedemb.cache import pinned_empty
-from cachedemb.collection_capture import NotScriptableError, fx_lookup, fx_lookup_live
-from cachedemb.collection_inputs import CollectionInputs, is_torchrec, torchrec_type
-from cachedemb.dynamic import DynamicEmbeddingBag, DynamicIds
-from cachedemb.embedding_bag import CachedEmbeddingBag
-from cachedemb.meta_init import probe_apply
+from cachedemb.collection import capture
+from cachedemb.cache.embedding_cache import pinned_empty
+from cachedemb.collection.capture import NotScriptableError, fx_lookup, fx_lookup_live
+from cachedemb.collection.inputs import CollectionInputs, is_torchrec, torchrec_type
+from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag, DynamicIds
+from cachedemb.modules.embedding_bag import CachedEmbeddingBag
+from cachedemb.modules.meta_init import probe_apply
 from cachedemb.optim import SparseOptimizer
-from cachedemb.policy import Policy
-from cachedemb.table_config import DTYPES, TableConfig
+from cachedemb.cache.policy import Policy
+from cachedemb.collection.table_config import DTYPES, TableConfig
 
 # Under torch.fx.symbolic_trace each lookup is one node calling these (patched in this module's globals).
 torch.fx.wrap("fx_lookup")

@@ -43,9 +43,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from cachedemb.cache import EmbeddingCache
-from cachedemb.dynamic_index import _GOLDEN, _MIX1, _MIX2, IdIndex, _i64, mix64
-from cachedemb.dynamic_keyed import KeyedEmbeddingBag
+from cachedemb.cache.embedding_cache import EmbeddingCache
+from cachedemb.dynamic.index import _GOLDEN, _MIX1, _MIX2, IdIndex, _i64, mix64
+from cachedemb.dynamic.keyed import KeyedEmbeddingBag
 from cachedemb.optim import SparseOptimizer
 
 ON_FULL = ("evict_lfu", "evict_lru", "reject")
@@ -165,7 +165,7 @@ class DynamicEmbeddingBag(nn.Module):
                  optimizer: SparseOptimizer | None = None, cache_ratio: float = 0.01, cache_rows: int | None = None,
                  in_flight_rows: int | None = None, **cache_kwargs):
         super().__init__()
-        from cachedemb.embedding_bag import CachedEmbeddingBag
+        from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 
         if num_embeddings is not None:
             raise ValueError(f"with dynamic=DynamicIds(...) the id space is all of int64: pass num_embeddings=None "

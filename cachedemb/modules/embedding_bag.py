@@ -9,17 +9,17 @@ import torch
 from torch import nn
 
 from cachedemb import kernels
-from cachedemb.cache import BatchPlan, EmbeddingCache, pinned_empty, state_dtype
-from cachedemb.errors import (
+from cachedemb.cache.embedding_cache import BatchPlan, EmbeddingCache, pinned_empty, state_dtype
+from cachedemb.modules.errors import (
     InvalidPaddingIdxError,
     InvalidWeightShapeError,
     NotScriptableError,
     StaleTableWriteError,
 )
-from cachedemb.input_check import BagInput, normalize_bag_input
-from cachedemb.meta_init import MetaTable, TableInit, init_rows, probe_apply
+from cachedemb.modules.input_check import BagInput, normalize_bag_input
+from cachedemb.modules.meta_init import MetaTable, TableInit, init_rows, probe_apply
 from cachedemb.optim import SparseOptimizer
-from cachedemb.policy import Policy
+from cachedemb.cache.policy import Policy
 
 _STEP_KEY = "optimizer.step"
 # Tensors over the table's memory that the module itself holds: the Parameter, the cache's `.data` alias, and
@@ -150,7 +150,7 @@ class CachedEmbeddingBag(nn.Module):
         # CachedEmbeddingBag(None, dim, ..., dynamic=DynamicIds(...)) builds the raw-id module (cachedemb.dynamic):
         # not an instance of cls, so Python skips __init__.
         if dynamic is not None:
-            from cachedemb.dynamic import DynamicEmbeddingBag
+            from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag
             return DynamicEmbeddingBag(*args, dynamic=dynamic, **kwargs)
         return super().__new__(cls)
 

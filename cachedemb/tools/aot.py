@@ -445,7 +445,7 @@ def compile_variants(variants, archs=(90, 80), jobs: int = 2) -> list[dict]:
         for i in range(jobs):
             job_path, out_path = Path(tmp) / f"jobs{i}.json", Path(tmp) / f"out{i}.json"
             job_path.write_text(json.dumps(work[i::jobs]))
-            cmd = [sys.executable, "-m", "cachedemb.aot", "compile", str(job_path), str(out_path)]
+            cmd = [sys.executable, "-m", "cachedemb.tools.aot", "compile", str(job_path), str(out_path)]
             procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                            text=True), out_path))
         shards = []
@@ -474,7 +474,7 @@ def record_library_launches(**workload) -> list[KernelVariant]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "variants.json"
-        cmd = [sys.executable, "-m", "cachedemb.aot", "record", str(out), json.dumps(workload)]
+        cmd = [sys.executable, "-m", "cachedemb.tools.aot", "record", str(out), json.dumps(workload)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"recording worker exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
