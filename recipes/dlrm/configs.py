@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from recipes.dlrm.data import AVAZU, CRITEO_KAGGLE, DatasetConfig, criteo_1tb, synthetic_criteo
+from .data import AVAZU, CRITEO_KAGGLE, DatasetConfig, criteo_1tb, synthetic_criteo
 
 INTERACTIONS = ("dot", "dcn")
 
