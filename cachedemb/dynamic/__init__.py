@@ -3,5 +3,6 @@
 Owns the raw-id module (admission, ttl and full-slab eviction, keyed state_dict), its host index (`index`), the
 `torch.export`-able keyed lookup (`keyed`) and the dict reference the tests compare against (`naive`).
 
-May import: `cachedemb.modules`, `cachedemb.cache`, `cachedemb.optim`.
+May import: `cachedemb.modules`, `cachedemb.cache`, `cachedemb.optim`. `DynamicEmbeddingBag` registers itself in
+`cachedemb.modules.factory`, so `CachedEmbeddingBag(None, dim, dynamic=...)` builds it.
 """

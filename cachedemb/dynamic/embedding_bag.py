@@ -46,6 +46,8 @@ from torch import nn
 from cachedemb.cache.embedding_cache import EmbeddingCache
 from cachedemb.dynamic.index import _GOLDEN, _MIX1, _MIX2, IdIndex, _i64, mix64
 from cachedemb.dynamic.keyed import KeyedEmbeddingBag
+from cachedemb.modules.embedding_bag import CachedEmbeddingBag
+from cachedemb.modules.factory import register_dynamic
 from cachedemb.optim import SparseOptimizer
 
 ON_FULL = ("evict_lfu", "evict_lru", "reject")
@@ -142,6 +144,7 @@ class DynamicIds:
 _STAT_NAMES = ("ids_seen", "admitted", "rejected", "evicted", "expired", "unadmitted_lookups")
 
 
+@register_dynamic  # CachedEmbeddingBag(None, dim, ..., dynamic=...) builds this class
 class DynamicEmbeddingBag(nn.Module):
     """nn.EmbeddingBag over raw int64 ids: an exact host index (id -> slab row) in front of a
     CachedEmbeddingBag over a slab of `dynamic.capacity` rows. Built by
@@ -165,8 +168,6 @@ class DynamicEmbeddingBag(nn.Module):
                  optimizer: SparseOptimizer | None = None, cache_ratio: float = 0.01, cache_rows: int | None = None,
                  in_flight_rows: int | None = None, **cache_kwargs):
         super().__init__()
-        from cachedemb.modules.embedding_bag import CachedEmbeddingBag
-
         if num_embeddings is not None:
             raise ValueError(f"with dynamic=DynamicIds(...) the id space is all of int64: pass num_embeddings=None "
                              f"(rows are bounded by DynamicIds.capacity), got {num_embeddings!r}")

@@ -10,6 +10,7 @@ from torch import nn
 
 from cachedemb import kernels
 from cachedemb.cache.embedding_cache import BatchPlan, EmbeddingCache, pinned_empty, state_dtype
+from cachedemb.modules.factory import build_dynamic
 from cachedemb.modules.errors import (
     InvalidPaddingIdxError,
     InvalidWeightShapeError,
@@ -147,11 +148,10 @@ class CachedEmbeddingBag(nn.Module):
     """
 
     def __new__(cls, *args, dynamic=None, **kwargs):
-        # CachedEmbeddingBag(None, dim, ..., dynamic=DynamicIds(...)) builds the raw-id module (cachedemb.dynamic):
-        # not an instance of cls, so Python skips __init__.
+        # CachedEmbeddingBag(None, dim, ..., dynamic=DynamicIds(...)) builds the raw-id module cachedemb.dynamic
+        # registers (modules/factory.py): not an instance of cls, so Python skips __init__.
         if dynamic is not None:
-            from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag
-            return DynamicEmbeddingBag(*args, dynamic=dynamic, **kwargs)
+            return build_dynamic(*args, dynamic=dynamic, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,
