@@ -1,7 +1,7 @@
 """Rows moved host->device by each cache policy on id traces, against Belady-OPT.
 
 Policies: LRU, LFU, LFU with counts reset on admission (ColossalAI), 32-way set-associative LRU (FBGEMM) and OPT
-are replayed by the offline simulators (cachedemb.cache_sim); this library's own policies drive the real module
+are replayed by the offline simulators (cachedemb.tools.cache_sim); this library's own policies drive the real module
 (CachedEmbeddingBag training steps): its LFU and LRU without prefetch, and `lookahead` through
 cachedemb.prefetch at each horizon H and admission depth K (a window of K batches must be resident together,
 so K > 1 pays for its look-ahead in cache space; K = 1 has exactly OPT's constraint). Prints JSON: per trace and cache ratio, each policy's rows moved,

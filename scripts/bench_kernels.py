@@ -11,7 +11,7 @@ the victim pool's gated full ranking with its flag off: what a batch the pool se
     python scripts/bench_kernels.py --small
 
 `--aot` instead compiles, without a GPU, every kernel variant a representative workload launches (recorded on
-the GPU where there is one, else on CPU under the Triton interpreter; see cachedemb/aot.py) for each `--archs`
+the GPU where there is one, else on CPU under the Triton interpreter; see cachedemb/tools/aot.py) for each `--archs`
 target, and reports per variant and arch its registers, shared memory, stack/local bytes (spills) and the PTX
 global loads/stores, vector ones (v2/v4) counted apart:
 

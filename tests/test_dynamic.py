@@ -1,4 +1,4 @@
-"""Dynamic ids (cachedemb.dynamic) against the dict reference (cachedemb.dynamic_naive) + a dense table trained by
+"""Dynamic ids (cachedemb.dynamic) against the dict reference (cachedemb.dynamic.naive) + a dense table trained by
 the same fused optimizer: outputs and rows bit-equal over many steps."""
 import io
 

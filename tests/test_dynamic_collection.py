@@ -1,5 +1,5 @@
 """Dynamic-id tables in CachedEmbeddingBagCollection (TableConfig(dynamic=...) / dynamic={name: ...}): each is
-trained bit-equal to the dict reference (cachedemb.dynamic_naive + a dense table) fed the same raw ids, beside a
+trained bit-equal to the dict reference (cachedemb.dynamic.naive + a dense table) fed the same raw ids, beside a
 plain table that stays equal to a collection without the dynamic tables; state_dict round trip."""
 import io
 

@@ -1,4 +1,4 @@
-"""The victim pool (cachedemb/victim_pool.py) against a brute-force full ranking: over random sequences of hits,
+"""The victim pool (cachedemb/cache/victim_pool.py) against a brute-force full ranking: over random sequences of hits,
 admissions and invalidating events, its first n_admit victims equal the n_admit lowest scores of every slot
 (Python's sorted over the policy's full-view scores). Both sizing rules (host branch / device flag) and both
 backends; then whole modules: the pool's evictions equal a full ranking's per batch."""

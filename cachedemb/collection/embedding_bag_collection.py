@@ -9,7 +9,7 @@ feature) pair: a feature several tables look up is one lookup per table (output 
 A table with `dynamic=DynamicIds(...)` (raw int64 ids, cachedemb.dynamic) is a group of its own, a
 DynamicEmbeddingBag over its slab: its lookups' raw ids go in unshifted and the remap finds their rows.
 
-fx tracing, export, torch.compile and TorchScript: see `cachedemb.collection_capture`.
+fx tracing, export, torch.compile and TorchScript: see `cachedemb.collection.capture`.
 """
 from __future__ import annotations
 

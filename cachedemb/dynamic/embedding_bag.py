@@ -30,8 +30,8 @@ evicted id that returns is bit-equal to a never-seen one (`EmbeddingCache.reread
 
 Eval forwards (`module.eval()` or no grad) are read-only: no counting, no admission, no sweep (inside a prefetch
 loop they see the admissions of the batches already read ahead).
-The reference path (a Python dict remap) is `cachedemb.dynamic_naive`; the id index is `cachedemb.dynamic_index`,
-the serving module `cachedemb.dynamic_keyed`.
+The reference path (a Python dict remap) is `cachedemb.dynamic.naive`; the id index is `cachedemb.dynamic.index`,
+the serving module `cachedemb.dynamic.keyed`.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def initial_rows(seed: int, ids: torch.Tensor, dim: int, dtype: torch.dtype = to
     """[n, dim] N(0, 1) rows (nn.EmbeddingBag's init) as a pure function of (seed, id): a splitmix64 stream
     keyed by the id, pairs of 53-bit uniforms through Box-Muller, computed in float64 on the host.
 
-    The same values, bit for bit, as `cachedemb.dynamic_naive.initial_rows_reference` (the formulation written
+    The same values, bit for bit, as `cachedemb.dynamic.naive.initial_rows_reference` (the formulation written
     out op by op); this one works in place on two [n, 2P] buffers, which halves its time on admission-heavy
     steps (tests/test_dynamic.py compares the two)."""
     ids = ids.reshape(-1).to(device="cpu", dtype=torch.int64)

@@ -1,6 +1,6 @@
 """The gated full ranking (kernels/slot_score.py and victim_select's gate) against the torch references.
 
-Scores equal the policy functions of cachedemb/policy.py bit for bit over adversarial slot metadata (empty and
+Scores equal the policy functions of cachedemb/cache/policy.py bit for bit over adversarial slot metadata (empty and
 protected slots, counts past every cap, next uses past the horizon, many tables); a gate reading 0 makes the
 kernels store nothing (a poisoned output stays poisoned) and the selection return valid indices, a gate reading 1
 gives the reference's slots. Runs under the interpreter on CPU, on the GPU with TRITON_INTERPRET=0.
