@@ -1,9 +1,9 @@
 """cachedemb: nn.EmbeddingBag with the table in host memory behind a frequency-aware device cache."""
 from cachedemb import optim
-from cachedemb.checkpoint import load_checkpoint, save_checkpoint
-from cachedemb.dynamic import DynamicEmbeddingBag, DynamicIds
-from cachedemb.collection import CachedEmbeddingBagCollection, TableConfig
-from cachedemb.embedding_bag import CachedEmbeddingBag
+from cachedemb.modules.checkpoint import load_checkpoint, save_checkpoint
+from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag, DynamicIds
+from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection, TableConfig
+from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.materialize import materialize
 from cachedemb.prefetch import prefetch
 

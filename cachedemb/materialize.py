@@ -11,11 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def _cached_types():
-    from cachedemb.collection import CachedEmbeddingBagCollection
-    from cachedemb.embedding_bag import CachedEmbeddingBag
-    return CachedEmbeddingBag, CachedEmbeddingBagCollection
+from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection
+from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 
 
 def is_under(name: str, prefixes) -> bool:
@@ -27,7 +24,7 @@ def meta_walk(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     """(path, module, is a cached table module) for every module to materialize, in module order: cached
     modules on meta, and other modules holding meta parameters or buffers themselves (not inside a cached
     module). Refuses up front a meta module without `reset_parameters()` (nothing is changed then)."""
-    cached_types = _cached_types()
+    cached_types = (CachedEmbeddingBag, CachedEmbeddingBagCollection)
     out, cached_paths = [], []
     for name, module in model.named_modules():
         if is_under(name, cached_paths):

@@ -44,8 +44,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from cachedemb.cache import EmbeddingCache
-from cachedemb.policy import Policy, resolve
+from cachedemb.cache.embedding_cache import EmbeddingCache
+from cachedemb.cache.policy import Policy, resolve
 
 IdsFn = Callable[[object], Sequence[torch.Tensor]]
 

@@ -146,14 +146,15 @@ def backward_warps(block_l: int, block_d: int) -> int:
     return 8 if tile >= 1024 else 4 if tile >= 512 else 1
 
 
-def backward_launch(block_l: int, block_d: int) -> dict:
+def backward_launch(block_l: int, block_d: int, fp64: bool = False) -> dict:
     """Launch options of the backward kernels: backward_warps, and for tiles (GPU) a 64-register cap: left to
     itself ptxas held the persistent loops at 40 registers and spilled loop invariants (sm_80 / sm_90); capped,
     it uses up to 64 without spilling, and 4 programs of 8 warps still fit an SM (persistent_programs). The
-    16 x 128 tiles of bag_backward (no update) need 128."""
+    16 x 128 tiles of bag_backward (no update) need 128, and so do fp64 tiles (a value takes two registers:
+    Triton 3.9's ptxas spilled 4 bytes of the scaled max-mode row-wise Adagrad update at 64 on sm_90; it uses 72)."""
     options = {"num_warps": backward_warps(block_l, block_d)}
     if block_l > 1:
-        options["maxnreg"] = 64 if block_l * block_d <= 1024 else 128
+        options["maxnreg"] = 64 if block_l * block_d <= 1024 and not fp64 else 128
     return options
 
 
@@ -283,7 +284,7 @@ def chunk_partials(grad_out, perm, ptr, bag, scale, max_pos, mode, chunk, block_
         segment_partials_kernel[grid](grad_out, perm, ptr, cptr, chunk_seg, bag, scale, max_pos, partial,
                                       ptr.numel() - 1, dim, CHUNK=chunk, MODE=mode,
                                       BLOCK_L=block_l, BLOCK_D=block_d, ACC=tl_acc_dtype(grad_out.dtype),
-                                      **backward_launch(block_l, block_d))
+                                      **backward_launch(block_l, block_d, grad_out.dtype == torch.float64))
     return cptr, partial
 
 
@@ -359,7 +360,7 @@ def _bag_backward_triton(grad_out, inverse, offsets, mode, per_sample_weights, m
                                   grad_scale_u.contiguous() if has_gscale else scale, grad_u, n_rows, dim,
                                   MODE=mode, BLOCK_L=block_l, BLOCK_D=block_d, ACC=tl_acc_dtype(grad_out.dtype),
                                   HAS_GSCALE=has_gscale, CHUNKED=split is not None,
-                                  **backward_launch(block_l, block_d))
+                                  **backward_launch(block_l, block_d, grad_out.dtype == torch.float64))
     return grad_u
 
 

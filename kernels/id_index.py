@@ -297,16 +297,19 @@ def index_find_kernel(p_keys, p_query, n_ptr, o_pos, o_slot, B, MASK, MAX_P: tl.
     m_act = m_i & (o_i < n) & (b_q >= 0)
     b_pos = tl.zeros([BLOCK], dtype=tl.int64) - 1
     b_slot = tl.zeros([BLOCK], dtype=tl.int64) - 1
-    d = 0
+    # The probe distance as a [BLOCK] tensor (equal in every lane): the loop-carried mask then only ever meets
+    # tensor compares. A Python-int distance makes `d + 1 < MAX_P` a Python bool, and `m_act & True` is an int
+    # tensor, not a mask, under Triton 3.9's interpreter ("mask has unsupported dtype").
+    b_d = tl.zeros([BLOCK], dtype=tl.int32)
     n_act = tl.sum(m_act.to(tl.int32), 0)
     while n_act > 0:
-        b_p = (b_home + d) & MASK
+        b_p = (b_home + b_d) & MASK
         b_k = tl.load(p_keys + b_p, mask=m_act, other=-1)
         m_hit = m_act & (b_k >= 0) & ((b_k >> 30) == b_q)
         b_pos = tl.where(m_hit, b_p, b_pos)
         b_slot = tl.where(m_hit, b_k & 0x3FFFFFFF, b_slot)
-        m_act = m_act & (m_hit == 0) & (b_k != -1) & (d + 1 < MAX_P)
-        d += 1
+        m_act = m_act & (m_hit == 0) & (b_k != -1) & (b_d + 1 < MAX_P)
+        b_d += 1
         n_act = tl.sum(m_act.to(tl.int32), 0)
     tl.store(o_pos + o_i, b_pos, mask=m_i)
     tl.store(o_slot + o_i, b_slot, mask=m_i)

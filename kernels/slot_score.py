@@ -1,6 +1,6 @@
 """Eviction scores of every cache slot for the built-in policies, in one launch gated by a device flag.
 
-A full ranking scores all C slots. Written as torch ops (cachedemb/policy.py, the reference) that is a dozen
+A full ranking scores all C slots. Written as torch ops (cachedemb/cache/policy.py, the reference) that is a dozen
 passes over C; here it is one. The gate lets a caller that cannot read a device count (CUDA, the sync-free mode)
 launch the ranking every batch and have it run only when the flag says the victim pool ran dry: the grid is a
 fixed set of persistent programs whose work count is `C` or 0 as the flag reads, so a batch that does not need
@@ -38,7 +38,7 @@ def slot_score_kernel(p_ids, p_freq, p_last, p_next, p_protected, p_starts, p_ra
                       n_tables, KIND: tl.constexpr, HAS_RANK: tl.constexpr, LOG_T: tl.constexpr,
                       BLOCK: tl.constexpr):
     """Persistent programs over the C slots in BLOCK runs; no work when the gate reads 0."""
-    # cachedemb.policy's tiers: TIER = 2^32, counts capped at 2 TIER - 1 (lfu, lru) or 2^24 - 1 (lookahead)
+    # cachedemb.cache.policy's tiers: TIER = 2^32, counts capped at 2 TIER - 1 (lfu, lru) or 2^24 - 1 (lookahead)
     n_blocks = tl.where(tl.load(p_gate) != 0, tl.cdiv(C, BLOCK), 0)
     i_b = tl.program_id(0).to(tl.int64)
     while i_b < n_blocks:

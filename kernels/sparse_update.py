@@ -375,7 +375,8 @@ def _backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offs
             partial, bag, scale, max_pos, grad_scale_u.contiguous() if has_gscale else scale, dim,
             *_scalars(rule), MODE=mode, RULE=RULE_IDS[rule.kind], SOFT_RTNE=soft_rtne(rows.device),
             BLOCK_L=block_l, BLOCK_D=block_d, GACC=tl_acc_dtype(grad_out.dtype), ACC=tl_acc_dtype(rows.dtype),
-            HAS_GSCALE=has_gscale, CHUNKED=split is not None, **backward_launch(block_l, block_d),
+            HAS_GSCALE=has_gscale, CHUNKED=split is not None,
+            **backward_launch(block_l, block_d, torch.float64 in (rows.dtype, grad_out.dtype)),
         )
 
 

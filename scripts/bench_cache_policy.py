@@ -1,7 +1,7 @@
 """Rows moved host->device by each cache policy on id traces, against Belady-OPT.
 
 Policies: LRU, LFU, LFU with counts reset on admission (ColossalAI), 32-way set-associative LRU (FBGEMM) and OPT
-are replayed by the offline simulators (cachedemb.cache_sim); this library's own policies drive the real module
+are replayed by the offline simulators (cachedemb.tools.cache_sim); this library's own policies drive the real module
 (CachedEmbeddingBag training steps): its LFU and LRU without prefetch, and `lookahead` through
 cachedemb.prefetch at each horizon H and admission depth K (a window of K batches must be resident together,
 so K > 1 pays for its look-ahead in cache space; K = 1 has exactly OPT's constraint). Prints JSON: per trace and cache ratio, each policy's rows moved,
@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 import cachedemb
-from cachedemb import cache_sim
-from cachedemb.traces import criteo_like_trace, criteo_table_sizes, load_trace, table_offsets, zipf_trace
+from cachedemb.tools import cache_sim
+from cachedemb.tools.traces import criteo_like_trace, criteo_table_sizes, load_trace, table_offsets, zipf_trace
 
 
 def module_run(trace, num_rows, capacity, policy, horizon=None, depth=4, table_starts=None, overlap=False):

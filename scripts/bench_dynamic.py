@@ -17,7 +17,7 @@ import time
 import torch
 
 import cachedemb
-from cachedemb.dynamic import DynamicIds, IdIndex, mix64
+from cachedemb.dynamic.embedding_bag import DynamicIds, IdIndex, mix64
 
 
 def one_step(module, ids, offsets) -> tuple[float, float]:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import cachedemb
-from cachedemb.traces import zipf_trace
+from cachedemb.tools.traces import zipf_trace
 
 
 def sync(device):

@@ -11,7 +11,7 @@ the victim pool's gated full ranking with its flag off: what a batch the pool se
     python scripts/bench_kernels.py --small
 
 `--aot` instead compiles, without a GPU, every kernel variant a representative workload launches (recorded on
-the GPU where there is one, else on CPU under the Triton interpreter; see cachedemb/aot.py) for each `--archs`
+the GPU where there is one, else on CPU under the Triton interpreter; see cachedemb/tools/aot.py) for each `--archs`
 target, and reports per variant and arch its registers, shared memory, stack/local bytes (spills) and the PTX
 global loads/stores, vector ones (v2/v4) counted apart:
 
@@ -33,7 +33,7 @@ import time
 import torch
 
 from cachedemb import kernels
-from cachedemb.policy import SlotView, lfu
+from cachedemb.cache.policy import SlotView, lfu
 
 # Peak HBM bandwidth by device-name fragment (first match).
 PEAK_BW = (("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("H200", 4.8e12), ("A100", 2.0e12))
@@ -291,7 +291,7 @@ def run_aot(args):
     import triton
     from triton import knobs
 
-    from cachedemb import aot
+    from cachedemb.tools import aot
 
     missing = aot.toolchain_missing()
     if missing:

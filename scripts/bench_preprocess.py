@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from recipes.dlrm.data import preprocess_criteo_1tb, synthetic_criteo, write_criteo_tsv
-from recipes.dlrm.data.parallel import default_workers
+from cachedemb.recipes.dlrm.data import preprocess_criteo_1tb, synthetic_criteo, write_criteo_tsv
+from cachedemb.recipes.dlrm.data.parallel import default_workers
 
 
 def digest(out: Path) -> str:

@@ -37,7 +37,7 @@ Usage::
                                   [--code-at REV] [-k SUBSTRING] [--variants stock,ours] [--test-timeout S]
 
 ``--backend`` sets ``CACHEDEMB_BACKEND`` (``triton`` also sets ``TRITON_INTERPRET=1``), ``--sync-free``
-sets ``CACHEDEMB_SYNC_FREE=1`` (kernels/dispatch.py, cachedemb/sync_mode.py). ``--out FILE`` writes the
+sets ``CACHEDEMB_SYNC_FREE=1`` (kernels/dispatch.py, cachedemb/cache/sync_mode.py). ``--out FILE`` writes the
 JSON there too; with ``--merge`` the file holds ``{"runs": [...]}`` and this run replaces the one with the
 same (suite, backend, sync_free). ``--code-at REV`` tests ``cachedemb/`` + ``kernels/`` as committed at REV
 (``git archive`` into a temp dir put first on PYTHONPATH) rather than the work tree, which colleagues may be

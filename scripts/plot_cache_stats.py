@@ -48,7 +48,7 @@ def plot(histories: dict[str, dict], out: str, smooth: int = 8) -> None:
 
 def demo_histories(batches: int = 120, num_rows: int = 200_000, lookups: int = 4096) -> dict[str, dict]:
     import cachedemb
-    from cachedemb.traces import zipf_trace
+    from cachedemb.tools.traces import zipf_trace
 
     trace = [torch.from_numpy(b) for b in zipf_trace(num_rows, lookups, batches, 1.05, seed=0)]
     offsets = torch.zeros(1, dtype=torch.int64)

@@ -1,6 +1,7 @@
 """Test setup: without CUDA, Triton runs under its interpreter (set before triton is first imported; importing
 torch does not import triton), and fresh `torch.empty` buffers are poisoned with NaN so a kernel that reads
 memory nobody wrote fails loudly."""
+import importlib.util
 import os
 
 import pytest
@@ -25,6 +26,12 @@ def _nan_empty(*args, **kwargs):
 def poison_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", _nan_empty)
     yield
+
+
+# torchrec is optional (pyproject has no dependency on it): tests that feed a KeyedJaggedTensor or compare with
+# torchrec's modules skip without it; the rest of their files still runs.
+HAS_TORCHREC = importlib.util.find_spec("torchrec") is not None
+needs_torchrec = pytest.mark.skipif(not HAS_TORCHREC, reason="needs torchrec (optional)")
 
 
 def has_cuda() -> bool:

@@ -1,5 +1,5 @@
 """Every Triton kernel the library launches compiles for H100 (sm_90) and A100 (sm_80) without register spills,
-checked without a GPU: the launches of a representative workload are recorded (`cachedemb.aot`), and each
+checked without a GPU: the launches of a representative workload are recorded (`cachedemb.tools.aot`), and each
 distinct variant (argument types, constexprs, num_warps) is compiled to a cubin with Triton's own ptxas.
 A kernel added to kernels/ that the workload does not launch fails the coverage test."""
 import os
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cachedemb import aot
+from cachedemb.tools import aot
 
 ARCHS = (90, 80)
 _MISSING = aot.toolchain_missing()
@@ -44,7 +44,7 @@ def test_the_workload_launches_every_kernel(recording):
     expected = aot.launched_kernels()
     assert expected, "found no launched @triton.jit kernel in cachedemb.kernels"
     missing = sorted(expected - recording.kernels)
-    assert not missing, f"launched in kernels/ but not by cachedemb.aot.library_workload (extend it): {missing}"
+    assert not missing, f"launched in kernels/ but not by cachedemb.tools.aot.library_workload (extend it): {missing}"
     assert recording.kernels == expected, f"recorded but not found in kernels/: {recording.kernels - expected}"
 
 

@@ -81,7 +81,7 @@ def train_counting(monkeypatch, optimizer, mode, steps, drop_groups):
     """`train`, counting the backward's calls of lookup_groups; with `drop_groups` the plans carry no groups."""
     calls = []
     real_groups = bag_backward.lookup_groups
-    real_prepare = cachedemb.cache.EmbeddingCache.prepare
+    real_prepare = cachedemb.cache.embedding_cache.EmbeddingCache.prepare
 
     def counted(inverse):
         calls.append(inverse.numel())
@@ -95,7 +95,7 @@ def train_counting(monkeypatch, optimizer, mode, steps, drop_groups):
     with monkeypatch.context() as m:
         m.setattr(bag_backward, "lookup_groups", counted)
         if drop_groups:
-            m.setattr(cachedemb.cache.EmbeddingCache, "prepare", prepare_without_groups)
+            m.setattr(cachedemb.cache.embedding_cache.EmbeddingCache, "prepare", prepare_without_groups)
         weight = train(optimizer, mode, steps)
     return weight, calls
 

@@ -1,26 +1,13 @@
 """Cache-policy simulators against tiny pure-Python references of the same rules, plus traces."""
 
-import importlib.util
 import itertools
 import math
-import pathlib
 from collections import Counter
 
 import numpy as np
 import pytest
 
-try:
-    from cachedemb import cache_sim, traces
-except ImportError:  # the package __init__ is written elsewhere; load the two modules directly
-    _root = pathlib.Path(__file__).resolve().parents[1] / "cachedemb"
-
-    def _load(name):
-        spec = importlib.util.spec_from_file_location(f"cachedemb_{name}", _root / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-
-    cache_sim, traces = _load("cache_sim"), _load("traces")
+from cachedemb.tools import cache_sim, traces
 
 INF = 1 << 62
 MASK64 = (1 << 64) - 1

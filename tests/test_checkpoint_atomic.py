@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import cachedemb
-import cachedemb.checkpoint
-from cachedemb.checkpoint import load_checkpoint, save_checkpoint
+import cachedemb.modules.checkpoint
+from cachedemb.modules.checkpoint import load_checkpoint, save_checkpoint
 
 # Each version k is a pure function of k, so the parent can rebuild what the writer saved.
 _VERSION_SRC = textwrap.dedent("""
@@ -66,8 +66,8 @@ def test_sigkill_at_random_points_keeps_the_previous_checkpoint(tmp_path, reques
     last = 0
     kills = 12 if request.config.getoption("--slow") else 3  # each kill starts a Python + torch (~3 s)
     for _ in range(kills):
-        proc = subprocess.Popen([sys.executable, str(writer), str(path), str(last + 1), cachedemb.checkpoint.__file__], stdout=subprocess.PIPE,
-                                text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        proc = subprocess.Popen([sys.executable, str(writer), str(path), str(last + 1), cachedemb.modules.checkpoint.__file__],
+                                stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         # Kill once the writer is up (its first line) plus a random delay: before, inside or between saves.
         first = proc.stdout.readline()
         assert first.strip(), "writer died before its first save"

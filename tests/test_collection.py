@@ -4,7 +4,7 @@ import torch
 
 import cachedemb
 from cachedemb import optim
-from cachedemb.collection import CachedEmbeddingBagCollection, TableConfig
+from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection, TableConfig
 
 torchrec = pytest.importorskip("torchrec", reason="torchrec not installed")
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cachedemb import optim
-from cachedemb.collection import CachedEmbeddingBagCollection, NotScriptableError, TableConfig
+from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection, NotScriptableError, TableConfig
 
 torchrec = pytest.importorskip("torchrec", reason="torchrec not installed")
 from torchrec.models.dlrm import DLRM  # noqa: E402

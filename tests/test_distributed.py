@@ -7,6 +7,7 @@ import torch
 import cachedemb
 from cachedemb.distributed import TableSharding, gather_full_state_dict, shard
 from cachedemb.distributed.testing import run_spawned
+from conftest import HAS_TORCHREC, needs_torchrec
 
 N, D = 13, 4
 OPTIMIZERS = {
@@ -152,13 +153,14 @@ def _job(rank: int, world: int, path: str) -> dict:
 
     out = {"kinds": _every_kind_and_optimizer(rank, world), "unsharded": _unsharded_refuses(rank, world),
            "ddp": _ddp_refused(rank, world)}
+    if HAS_TORCHREC:  # the collection is fed KeyedJaggedTensors
+        out["collection"] = coll._worker(rank, world, "adam", False) if world == 2 else \
+            coll._worker(rank, world, "rowwise_adagrad", True)
     if world == 2:
-        out["collection"] = coll._worker(rank, world, "adam", False)
         out["dense"] = dense._dense_model_worker(rank, world, True)
         out["prefetch"] = pf.prefetch_worker(rank, world)
         ckpt._save_worker(rank, world, path)
     else:
-        out["collection"] = coll._worker(rank, world, "rowwise_adagrad", True)
         out["load3"] = ckpt._load_worker(rank, world, path)
         out["load1"] = ckpt.load_at_one_rank(rank, world, path)
     return out
@@ -184,6 +186,7 @@ def test_every_sharding_type_and_fused_optimizer(world, job2, job3):
     assert len(plans) == 12 and all(kind in plans[4 * k] for k, kind in enumerate(KINDS))
 
 
+@needs_torchrec
 def test_collection_equals_single_process(job2, job3):
     assert "table_wise" in job2[0][0]["collection"] and "row_wise" in job3[0]["collection"]
 

@@ -3,12 +3,12 @@ single-process collection trained on the concatenated batches: tables spread tab
 (one also row-wise by hand), uneven local batch sizes, one rank with an empty batch."""
 import pytest
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import cachedemb
 from cachedemb import CachedEmbeddingBagCollection, TableConfig
 from cachedemb.distributed import ShardingType, TableSharding, gather_full_state_dict, plan_for, shard
 from cachedemb.distributed.testing import run_spawned
+from conftest import needs_torchrec
 
 TABLES = [TableConfig("t1", 11, 4, ("f1", "f2")), TableConfig("t2", 7, 4, ("f3",), pooling="mean"),
           TableConfig("t3", 9, 3, ("f4",))]
@@ -35,7 +35,9 @@ def _batch(world: int, step: int):
     return sizes, per_key, torch.randn(total, 15, generator=g)
 
 
-def _kjt(per_key, b0: int, b1: int) -> KeyedJaggedTensor:
+def _kjt(per_key, b0: int, b1: int):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
     values, lengths = [], []
     for key in KEYS:
         ids, lens = per_key[key]
@@ -72,6 +74,7 @@ def _worker(rank: int, world: int, optimizer_name: str, row_wise_t1: bool):
     return str(sharded.plan)
 
 
+@needs_torchrec
 @pytest.mark.slow
 @pytest.mark.parametrize("world,optimizer,row_wise_t1", [(2, "adam", False), (3, "rowwise_adagrad", True)])
 def test_sharded_collection_equals_single_process(world, optimizer, row_wise_t1):

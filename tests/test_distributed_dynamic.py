@@ -22,9 +22,9 @@ from torch import nn
 import cachedemb
 from cachedemb import DynamicIds
 from cachedemb.distributed import gather_full_state_dict, load_full_state_dict, shard
-from cachedemb.distributed.sharded_dynamic import owner_rank
+from cachedemb.distributed.dynamic import owner_rank
 from cachedemb.distributed.testing import run_spawned
-from cachedemb.dynamic import DynamicEmbeddingBag
+from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag
 
 D, STEPS, WORLD = 6, 7, 2
 POOL = torch.tensor([2**62 + k * 2**32 for k in range(10)] + [-(2**62) - k for k in range(10)]

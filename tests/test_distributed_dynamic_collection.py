@@ -11,7 +11,7 @@ import cachedemb
 from cachedemb import CachedEmbeddingBagCollection, DynamicIds, TableConfig
 from cachedemb.distributed import TableSharding, gather_full_state_dict, load_full_state_dict, shard
 from cachedemb.distributed import checkpoint as dcp_checkpoint
-from cachedemb.distributed.sharded_dynamic import owner_rank
+from cachedemb.distributed.dynamic import owner_rank
 from cachedemb.distributed.testing import run_spawned
 
 STEPS = 5

@@ -362,7 +362,7 @@ def test_errors_are_caught_as_nn_embedding_bags(case, nn_type):
 
 
 def test_torchscript_is_refused_with_a_way_out():
-    from cachedemb.errors import NotScriptableError
+    from cachedemb.modules.errors import NotScriptableError
 
     module = cachedemb.CachedEmbeddingBag(10, 2, cache_rows=2, device="cpu")
     with pytest.raises(NotScriptableError, match="to_embedding_bag"):

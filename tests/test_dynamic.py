@@ -1,4 +1,4 @@
-"""Dynamic ids (cachedemb.dynamic) against the dict reference (cachedemb.dynamic_naive) + a dense table trained by
+"""Dynamic ids (cachedemb.dynamic) against the dict reference (cachedemb.dynamic.naive) + a dense table trained by
 the same fused optimizer: outputs and rows bit-equal over many steps."""
 import io
 
@@ -7,8 +7,8 @@ import torch
 
 import cachedemb
 from cachedemb import optim
-from cachedemb.dynamic import DynamicEmbeddingBag, DynamicIds, IdIndex, initial_rows, mix64
-from cachedemb.dynamic_naive import (NaiveDynamicIds, PAD_ROW, UNADMITTED_ROW, initial_rows_reference,
+from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag, DynamicIds, IdIndex, initial_rows, mix64
+from cachedemb.dynamic.naive import (NaiveDynamicIds, PAD_ROW, UNADMITTED_ROW, initial_rows_reference,
                                      probe_reference)
 
 OPTIMIZERS = {
@@ -324,7 +324,7 @@ def test_optimizer_none_is_refused_naming_fused_optimizers():
         DynamicEmbeddingBag(None, DIM, dynamic=cfg)
     with pytest.raises(ValueError, match="export_keyed"):
         cachedemb.CachedEmbeddingBag(None, DIM, dynamic=cfg, optimizer=None)
-    from cachedemb.collection import CachedEmbeddingBagCollection
-    from cachedemb.table_config import TableConfig
+    from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection
+    from cachedemb.collection.table_config import TableConfig
     with pytest.raises(ValueError, match="got optimizer=None"):
         CachedEmbeddingBagCollection([TableConfig("t", None, DIM, dynamic=cfg)], device="cpu")

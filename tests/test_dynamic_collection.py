@@ -1,5 +1,5 @@
 """Dynamic-id tables in CachedEmbeddingBagCollection (TableConfig(dynamic=...) / dynamic={name: ...}): each is
-trained bit-equal to the dict reference (cachedemb.dynamic_naive + a dense table) fed the same raw ids, beside a
+trained bit-equal to the dict reference (cachedemb.dynamic.naive + a dense table) fed the same raw ids, beside a
 plain table that stays equal to a collection without the dynamic tables; state_dict round trip."""
 import io
 
@@ -8,13 +8,11 @@ import torch
 
 import cachedemb
 from cachedemb import optim
-from cachedemb.collection import CachedEmbeddingBagCollection
-from cachedemb.dynamic import DynamicIds
-from cachedemb.table_config import TableConfig
+from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection
+from cachedemb.dynamic.embedding_bag import DynamicIds
+from cachedemb.collection.table_config import TableConfig
+from conftest import needs_torchrec
 from test_dynamic import DIM, POOL, Reference, check_rows_equal
-
-torchrec = pytest.importorskip("torchrec")
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
 USERS = DynamicIds(capacity=9, min_count=2, on_full="evict_lfu", seed=3)
 CROSSES = DynamicIds(capacity=7, on_full="evict_lru", unadmitted="shared", ttl_steps=4)
@@ -55,6 +53,8 @@ def feature_batches(steps, seed):
 
 
 def as_kjt(batch):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
     keys = list(batch)
     values = torch.cat([batch[k][0] for k in keys])
     lengths = torch.cat([batch[k][1].diff() for k in keys])
@@ -103,6 +103,7 @@ def check_tables(ebc, refs):
             check_rows_equal(ebc.bags[ebc._table_group[i][0]], refs[t.name])
 
 
+@needs_torchrec  # every other step feeds a KeyedJaggedTensor
 def test_dynamic_tables_train_bit_equal_to_reference_and_round_trip():
     ebc, plain, refs = make_collection(), make_collection(with_dynamic=False), references()
     assert len(ebc.bags) == 3  # each dynamic table is a group of its own
@@ -129,6 +130,7 @@ def test_dynamic_tables_train_bit_equal_to_reference_and_round_trip():
     check_tables(fresh, refs)
 
 
+@needs_torchrec
 def test_dense_input_and_torchrec_configs():
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
@@ -165,9 +167,13 @@ def test_bad_dynamic_configs_are_refused():
     ebc = make_collection()
     with pytest.raises(ValueError, match="table 'users' has dynamic .* no dense weight"):
         ebc.table_weight("users")
-    with pytest.raises(ValueError, match=r"tables \['users', 'crosses'\] have dynamic"):
-        ebc.to_embedding_bag_collection()
     assert cachedemb.DynamicIds is DynamicIds
+
+
+@needs_torchrec  # the export builds torchrec's collection
+def test_dynamic_tables_are_not_exported_to_torchrec():
+    with pytest.raises(ValueError, match=r"tables \['users', 'crosses'\] have dynamic"):
+        make_collection().to_embedding_bag_collection()
 
 
 def test_collection_with_dynamic_tables_under_prefetch_is_bit_equal():

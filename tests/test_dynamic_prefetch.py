@@ -7,7 +7,7 @@ import torch
 
 import cachedemb
 from cachedemb import optim
-from cachedemb.dynamic import DynamicEmbeddingBag, DynamicIds
+from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag, DynamicIds
 from test_dynamic import DIM, batches
 
 
@@ -70,12 +70,12 @@ def test_held_rows_are_not_reused_while_in_flight():
     assert dyn.held_rows.tolist() == [row_10, row_20] and dyn.held_until.tolist() == [1, 2]
     assert int(dyn.ahead[2][1][0]) != row_10  # the returning id got a fresh row
     out = dyn(*first[0])
-    assert torch.equal(out[0], cachedemb.dynamic.initial_rows(0, torch.tensor([10]), DIM)[0])
+    assert torch.equal(out[0], cachedemb.dynamic.embedding_bag.initial_rows(0, torch.tensor([10]), DIM)[0])
     out.sum().backward()
     dyn(*first[1]).sum().backward()  # batch 1 starts: batch 0 is done, its held row goes back
     assert dyn.held_rows.tolist() == [row_20] and dyn.n_free == 6 - 2 - 1
     out = dyn(*first[2])  # the returning id reads a never-seen id's row, not batch 0's trained one
-    assert torch.equal(out[0], cachedemb.dynamic.initial_rows(0, torch.tensor([10]), DIM)[0])
+    assert torch.equal(out[0], cachedemb.dynamic.embedding_bag.initial_rows(0, torch.tensor([10]), DIM)[0])
 
 
 def test_abandoned_read_ahead_and_bad_in_flight_rows():

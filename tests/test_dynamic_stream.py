@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cachedemb import optim
-from cachedemb.dynamic import DynamicEmbeddingBag, DynamicIds, IdIndex, mix64
+from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag, DynamicIds, IdIndex, mix64
 
 CAPACITY, BATCH = 150_000, 125_000
 

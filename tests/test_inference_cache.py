@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import cachedemb
-from cachedemb.table_config import TableConfig
+from cachedemb.collection.table_config import TableConfig
 
 pytestmark = [pytest.mark.usefixtures("sizing_mode")]
 

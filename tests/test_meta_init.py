@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import cachedemb
-from cachedemb import meta_init
+from cachedemb.modules import meta_init
 from cachedemb.materialize import materialize
-from cachedemb.meta_init import TableInit, init_rows
+from cachedemb.modules.meta_init import TableInit, init_rows
 
 
 # ----------------------------------------------------------------- chunked replay of an init

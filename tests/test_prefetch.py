@@ -169,7 +169,7 @@ def test_bad_arguments(kwargs, match):
 def test_lookahead_breaks_count_ties_by_table_size():
     """Two tables share the cache (rows 0..9 and 10..109): among rows with no use ahead and equal counts, the
     larger table's row goes first."""
-    from cachedemb.policy import SlotView, lookahead
+    from cachedemb.cache.policy import SlotView, lookahead
 
     emb = cachedemb.CachedEmbeddingBag(110, 2, cache_rows=2, device="cpu")
     emb.cache.set_tables([0, 10])

@@ -32,7 +32,7 @@ def test_history_is_a_bounded_ring_of_per_batch_deltas():
     for j, batch in enumerate(history["batch"]):
         for key in ("lookups", "unique", "hits", "misses", "rows_in", "rows_out", "evictions"):
             assert history[key][j] == snapshots[batch + 1][key] - snapshots[batch][key], (key, batch)
-    assert emb.cache.history.shape == (5, len(cachedemb.cache.STAT_NAMES))
+    assert emb.cache.history.shape == (5, len(cachedemb.cache.embedding_cache.STAT_NAMES))
     emb.reset_cache_stats()
     assert emb.cache_history()["batch"] == []
 

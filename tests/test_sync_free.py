@@ -17,10 +17,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Code whose host reads would be syncs on CUDA. The prefetch pipeline's id horizon works on host copies of the
 # loader's ids by design (they arrive on the host), so its own frames are not counted; the cache operations it
-# issues are (they run in cache.py). The miss estimate reads pinned host copies only after their events say
+# issues are (they run in cache/embedding_cache.py). The miss estimate reads pinned host copies only after their events say
 # they landed (on CPU: batches later), which waits for nothing.
 COUNTED = [str(ROOT / "cachedemb"), str(ROOT / "kernels")]
-HOST_SIDE = [str(ROOT / "cachedemb" / "prefetch.py"), str(ROOT / "cachedemb" / "miss_estimate.py")]
+HOST_SIDE = [str(ROOT / "cachedemb" / "prefetch.py"), str(ROOT / "cachedemb" / "cache" / "miss_estimate.py")]
 HOST_READS = ("item", "tolist", "cpu", "__int__", "__bool__", "__index__", "__float__", "numpy")
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import cachedemb
-from cachedemb.errors import InvalidWeightDtypeError, InvalidWeightShapeError, NegativeSizeError, NotAnIntegerError
+from cachedemb.modules.errors import InvalidWeightDtypeError, InvalidWeightShapeError, NegativeSizeError, NotAnIntegerError
 from conftest import skip_triton_on_cpu_without_interpreter
 
 pytestmark = [pytest.mark.usefixtures("sizing_mode")]

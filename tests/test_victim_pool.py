@@ -1,4 +1,4 @@
-"""The victim pool (cachedemb/victim_pool.py) against a brute-force full ranking: over random sequences of hits,
+"""The victim pool (cachedemb/cache/victim_pool.py) against a brute-force full ranking: over random sequences of hits,
 admissions and invalidating events, its first n_admit victims equal the n_admit lowest scores of every slot
 (Python's sorted over the policy's full-view scores). Both sizing rules (host branch / device flag) and both
 backends; then whole modules: the pool's evictions equal a full ranking's per batch."""
@@ -10,8 +10,8 @@ import torch
 import cachedemb
 from cachedemb import optim
 from cachedemb.kernels import PROTECTED, victim_select_torch
-from cachedemb.policy import POLICIES, SlotView
-from cachedemb.victim_pool import VictimPool
+from cachedemb.cache.policy import POLICIES, SlotView
+from cachedemb.cache.victim_pool import VictimPool
 from conftest import skip_triton_on_cpu_without_interpreter
 
 @pytest.fixture(params=["torch", "triton"])
@@ -254,7 +254,7 @@ def test_sync_free_pool_sized_by_misses_that_reached_the_host(policy_name, backe
 def test_miss_estimate_sees_counts_only_after_they_land():
     """On CPU a count stands in for a GPU copy that lands `lag` batches later; the estimate is the largest
     recent one, and a window forgets old bursts."""
-    from cachedemb.miss_estimate import MissEstimate
+    from cachedemb.cache.miss_estimate import MissEstimate
 
     est = MissEstimate(torch.device("cpu"), lag=2, window=3)
     seen = []

@@ -5,7 +5,8 @@
     loss.backward()                           # fused optimizers update rows on their owners
     full = gather_full_state_dict(model)      # rank 0: the unsharded state_dict (export)
 
-Nothing else in cachedemb imports this package.
+May import: every layer below (`cachedemb.collection`, `cachedemb.dynamic`, `cachedemb.modules`, `cachedemb.cache`,
+`materialize`); nothing else in cachedemb imports this package (only the recipes and tools above it do).
 """
 from cachedemb.distributed.exchange import STATS as exchange_stats
 from cachedemb.distributed.model_parallel import (
@@ -16,7 +17,7 @@ from cachedemb.distributed.model_parallel import (
     shard,
 )
 from cachedemb.distributed.plan import ShardingPlan, ShardingType, TableSharding, default_plan
-from cachedemb.distributed.sharded_bag import ShardedEmbeddingBag
+from cachedemb.distributed.bag import ShardedEmbeddingBag
 
 __all__ = ["DistributedModelParallel", "ShardedEmbeddingBag", "ShardingPlan", "ShardingType", "TableSharding",
            "default_plan", "exchange_stats", "gather_full_state_dict", "load_full_state_dict", "plan_for", "shard"]

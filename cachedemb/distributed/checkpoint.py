@@ -25,9 +25,11 @@ from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
+from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection, _DynamicGroupBag
 from cachedemb.distributed.model_parallel import DistributedModelParallel, _sharded_state_names, _under
 from cachedemb.distributed.plan import ShardingPlan
-from cachedemb.distributed.sharded_dynamic import ShardedDynamicEmbeddingBag, _sharded_dynamic, id_group
+from cachedemb.distributed.dynamic import ShardedDynamicEmbeddingBag, _sharded_dynamic, id_group
+from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag
 
 PLAN_FILE = "plan.json"
 
@@ -101,9 +103,6 @@ def _dynamic_state(inner: nn.Module, group, for_load: bool) -> dict:
 def _dynamic_prefixes(model: nn.Module) -> list[str]:
     """Key prefixes of the id-keyed states of `model`'s dynamic tables (sharded or not, alone or in a
     collection)."""
-    from cachedemb.collection import CachedEmbeddingBagCollection, _DynamicGroupBag
-    from cachedemb.dynamic import DynamicEmbeddingBag
-
     out = []
     for name, m in model.named_modules():
         prefix = f"{name}." if name else ""

@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cachedemb.collection import CachedEmbeddingBagCollection
+from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection
 from cachedemb.distributed.plan import ShardingPlan, TableSharding, default_plan
-from cachedemb.distributed.sharded_bag import ShardedEmbeddingBag, rank_cuda_device
-from cachedemb.distributed.sharded_collection import ShardedEmbeddingBagCollection
-from cachedemb.distributed.sharded_dynamic import gather_dynamic_state_dict, shard_dynamic_tables
-from cachedemb.embedding_bag import CachedEmbeddingBag
+from cachedemb.distributed.bag import ShardedEmbeddingBag, rank_cuda_device
+from cachedemb.distributed.collection import ShardedEmbeddingBagCollection
+from cachedemb.distributed.dynamic import gather_dynamic_state_dict, shard_dynamic_tables
+from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.materialize import is_under as _under
 from cachedemb.materialize import materialize_dense, meta_walk
 

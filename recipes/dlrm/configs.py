@@ -9,7 +9,7 @@ Sources (read through the project's reference search; values only, no code):
   (facebookresearch/dlrm torchrec_dlrm/dlrm_main.py).
 - torchrec's DLRM example (facebookresearch/dlrm torchrec_dlrm/README.MD, 1-GPU row): --batch_size 16384;
   embedding init: torchrec's EmbeddingBagConfig default, uniform(+-sqrt(1 / num_embeddings)), which
-  cachedemb.TableConfig reproduces (cachedemb/table_config.py).
+  cachedemb.TableConfig reproduces (cachedemb/collection/table_config.py).
 - The DLRM paper's Criteo Kaggle benchmark (facebookresearch/dlrm bench/dlrm_s_criteo_kaggle.sh):
   --arch-sparse-feature-size=16 --arch-mlp-bot=13-512-256-64-16 --arch-mlp-top=512-256-1.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from recipes.dlrm.data import AVAZU, CRITEO_KAGGLE, DatasetConfig, criteo_1tb, synthetic_criteo
+from .data import AVAZU, CRITEO_KAGGLE, DatasetConfig, criteo_1tb, synthetic_criteo
 
 INTERACTIONS = ("dot", "dcn")
 

@@ -1,13 +1,14 @@
-"""Train and evaluate DLRM with a CachedEmbeddingBagCollection: `python -m recipes.dlrm.main --help`.
+"""Train and evaluate DLRM with a CachedEmbeddingBagCollection: `python -m cachedemb.recipes.dlrm.main --help`
+(from a checkout's root `python -m recipes.dlrm.main` is the same program).
 
 `main(argv)` returns the final metrics dict (and prints it as one JSON line), so tests call it directly.
 Data: --data synthetic generates a planted-signal Criteo TSV and preprocesses it; the real data sets are
 preprocessed from their raw files in --data-dir on first use (to --data-dir/preprocessed).
 
-Under torchrun (`torchrun --nproc_per_node=N -m recipes.dlrm.main ...`, same flags) the tables are sharded with
-cachedemb.distributed.shard (gloo on CPU, NCCL on GPU with device = LOCAL_RANK); rank r trains on global batches
-r, r + N, ... (disjoint slices), evaluation metrics and samples/s are reduced across ranks and printed by
-rank 0, and checkpoints are torch.distributed.checkpoint directories (latest.dcp) that --resume loads at any
+Under torchrun (`torchrun --nproc_per_node=N -m cachedemb.recipes.dlrm.main ...`, same flags) the tables are
+sharded with cachedemb.distributed.shard (gloo on CPU, NCCL on GPU with device = LOCAL_RANK); rank r trains on
+global batches r, r + N, ... (disjoint slices), evaluation metrics and samples/s are reduced across ranks and
+printed by rank 0, and checkpoints are torch.distributed.checkpoint directories (latest.dcp) that --resume loads at any
 world size (a single-process run included).
 """
 from __future__ import annotations
@@ -35,11 +36,12 @@ from torch import nn
 
 import cachedemb
 from cachedemb import optim
-from recipes.dlrm.configs import DATA_PRESET, INTERACTIONS, RunPreset, get_preset
-from recipes.dlrm.data import (PreprocessedSplit, load_id_freq, load_metadata, preprocess_avazu,
-                               preprocess_criteo_1tb, preprocess_criteo_kaggle, write_criteo_tsv)
-from recipes.dlrm.lr_schedule import LRSchedule, set_learning_rates
-from recipes.dlrm.model import DLRM, DLRMConfig
+
+from .configs import DATA_PRESET, INTERACTIONS, RunPreset, get_preset
+from .data import (PreprocessedSplit, load_id_freq, load_metadata, preprocess_avazu, preprocess_criteo_1tb,
+                   preprocess_criteo_kaggle, write_criteo_tsv)
+from .lr_schedule import LRSchedule, set_learning_rates
+from .model import DLRM, DLRMConfig
 
 SPARSE_OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "rowwise_adagrad": optim.RowWiseAdagrad,
                      "adam": optim.Adam}
@@ -50,7 +52,7 @@ FINAL = "final.pt"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m recipes.dlrm.main", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m cachedemb.recipes.dlrm.main", description=__doc__.splitlines()[0])
     p.add_argument("--data", choices=sorted(DATA_PRESET), default="synthetic")
     p.add_argument("--data-dir", default=None, help="raw files (real data) or where to generate (synthetic; "
                    "default ./data/synthetic)")
@@ -248,7 +250,7 @@ def save_distributed_checkpoint(directory: Path, model, dense_opt, position: dic
     """Every rank writes its rows (DCP) into a fresh step directory; rank 0 adds the trainer state, then points
     the `latest.dcp` symlink at it with one atomic rename (and drops the previous one): a job killed at any
     point still finds its previous checkpoint whole."""
-    from cachedemb.checkpoint import fsync_directory
+    from cachedemb.modules.checkpoint import fsync_directory
     from cachedemb.distributed import checkpoint as dcp_ckpt
 
     link = directory / DIST_CHECKPOINT

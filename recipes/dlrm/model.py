@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cachedemb.collection import CachedEmbeddingBagCollection, TableConfig
+from cachedemb import CachedEmbeddingBagCollection, TableConfig
 from cachedemb.optim import SparseOptimizer
 
 try:

@@ -1,4 +1,4 @@
-"""The kernel variants that float64 tables and grad_scale_u add compile for sm_90 / sm_80 (cachedemb.aot, no GPU
+"""The kernel variants that float64 tables and grad_scale_u add compile for sm_90 / sm_80 (cachedemb.tools.aot, no GPU
 needed): the library workload of tests/test_aot_compile.py runs neither an fp64 table nor a gradient scale, so
 their launches are recorded here, at the GPU's block shapes, and compiled with Triton's ptxas. fp64 variants must
 not spill; a scaled variant may spill only where its unscaled twin (same launch, HAS_GSCALE=False) already does
@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from cachedemb import aot, kernels
+from cachedemb import kernels
+from cachedemb.tools import aot
 
 from .test_fp64_grad_scale import MODES, RULES, Case, acc_dtype_of, make_states, max_pos_of
 

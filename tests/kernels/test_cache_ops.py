@@ -251,7 +251,7 @@ def test_row_copy_column_mismatch():
 @pytest.mark.parametrize("policy", ["lfu", "lru"])
 def test_cache_prepare_same_on_both_backends(policy, monkeypatch):
     """EmbeddingCache.prepare over a few batches: the Triton ops must leave the cache exactly as the references."""
-    from cachedemb.cache import EmbeddingCache
+    from cachedemb.cache.embedding_cache import EmbeddingCache
 
     g = gen(3)
     table = torch.randn(120, 5, generator=g)

@@ -1,6 +1,6 @@
 """The gated full ranking (kernels/slot_score.py and victim_select's gate) against the torch references.
 
-Scores equal the policy functions of cachedemb/policy.py bit for bit over adversarial slot metadata (empty and
+Scores equal the policy functions of cachedemb/cache/policy.py bit for bit over adversarial slot metadata (empty and
 protected slots, counts past every cap, next uses past the horizon, many tables); a gate reading 0 makes the
 kernels store nothing (a poisoned output stays poisoned) and the selection return valid indices, a gate reading 1
 gives the reference's slots. Runs under the interpreter on CPU, on the GPU with TRITON_INTERPRET=0.
@@ -13,7 +13,7 @@ import torch
 from cachedemb.kernels import PROTECTED
 from cachedemb.kernels.slot_score import SCORE_LFU, slot_score_triton
 from cachedemb.kernels.victim_select import victim_select_torch, victim_select_triton
-from cachedemb.policy import POLICIES, SlotView, score_kernel
+from cachedemb.cache.policy import POLICIES, SlotView, score_kernel
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if not INTERPRETED and not torch.cuda.is_available():

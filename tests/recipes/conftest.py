@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from recipes.dlrm.data import preprocess_criteo_kaggle, write_criteo_tsv
+from cachedemb.recipes.dlrm.data import preprocess_criteo_kaggle, write_criteo_tsv
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from recipes.dlrm.data import (
+from cachedemb.recipes.dlrm.data import (
     AVAZU,
     AVAZU_HEADER,
     CRITEO_1TB,
@@ -37,7 +37,7 @@ from recipes.dlrm.data import (
     write_avazu_csv,
     write_criteo_tsv,
 )
-from recipes.dlrm.data.configs import CRITEO_1TB_COUNTS
+from cachedemb.recipes.dlrm.data.configs import CRITEO_1TB_COUNTS
 
 
 def _concat(chunks):

@@ -7,7 +7,7 @@ pytest.importorskip("torchmetrics")
 pytest.importorskip("tqdm")
 
 from cachedemb.distributed.testing import run_spawned  # noqa: E402
-from recipes.dlrm import main as dlrm_main  # noqa: E402
+from cachedemb.recipes.dlrm import main as dlrm_main  # noqa: E402
 
 BATCH = 128
 COMMON = ["--synthetic-rows", "4000", "--embedding-dim", "4", "--batch-size", str(BATCH), "--quiet",

@@ -5,7 +5,7 @@ import torch
 pytest.importorskip("torchmetrics")
 pytest.importorskip("tqdm")
 
-from recipes.dlrm import main as dlrm_main  # noqa: E402
+from cachedemb.recipes.dlrm import main as dlrm_main  # noqa: E402
 
 ROWS = 100_000
 # Small and fast: dim 8, batch 1024, 1% cache; one epoch over 90k train rows reaches AUC ~0.74 (oracle 0.79).
@@ -66,7 +66,7 @@ def test_resume_without_checkpoint_names_it(data_dir, tmp_path):
 
 def test_plain_torch_arches_equal_torchrec_arches():
     pytest.importorskip("torchrec")
-    from recipes.dlrm.model import DLRM, DLRMConfig
+    from cachedemb.recipes.dlrm.model import DLRM, DLRMConfig
 
     config = DLRMConfig(num_dense=3, cat_names=("a", "b", "c"), table_sizes=(11, 7, 5), embedding_dim=4,
                         dense_arch_layer_sizes=(8, 4), over_arch_layer_sizes=(6, 1))

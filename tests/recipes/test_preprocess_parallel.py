@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from recipes.dlrm.data import (AVAZU, CRITEO_KAGGLE, DatasetConfig, preprocess_avazu, preprocess_criteo_1tb,
+from cachedemb.recipes.dlrm.data import (AVAZU, CRITEO_KAGGLE, DatasetConfig, preprocess_avazu, preprocess_criteo_1tb,
                                preprocess_criteo_kaggle, write_avazu_csv, write_criteo_tsv)
-from recipes.dlrm.data.parallel import balance_features, plan_units
+from cachedemb.recipes.dlrm.data.parallel import balance_features, plan_units
 
 CARDS = (3, 50, 1000, 20000, 7, 300, 5000, 2, 11, 90000, 60, 400, 1500,
          9, 2500, 40000, 4, 700, 80, 5, 30000, 18, 15, 800, 105, 1400)

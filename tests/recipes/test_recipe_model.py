@@ -9,11 +9,11 @@ import torch
 
 pytest.importorskip("tqdm")
 
-from recipes.dlrm import main as dlrm_main  # noqa: E402
-from recipes.dlrm.configs import PRESETS  # noqa: E402
-from recipes.dlrm.data import PreprocessedSplit, load_metadata, synthetic_criteo  # noqa: E402
-from recipes.dlrm.lr_schedule import LRSchedule  # noqa: E402
-from recipes.dlrm.model import DLRM, DLRMConfig, PlainLowRankCrossNet  # noqa: E402
+from cachedemb.recipes.dlrm import main as dlrm_main  # noqa: E402
+from cachedemb.recipes.dlrm.configs import PRESETS  # noqa: E402
+from cachedemb.recipes.dlrm.data import PreprocessedSplit, load_metadata, synthetic_criteo  # noqa: E402
+from cachedemb.recipes.dlrm.lr_schedule import LRSchedule  # noqa: E402
+from cachedemb.recipes.dlrm.model import DLRM, DLRMConfig, PlainLowRankCrossNet  # noqa: E402
 
 ROWS = 12_000
 # Criteo's 26 features with tables a few thousand rows at most: the model's shape is the preset's, only the

@@ -11,10 +11,10 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
 from cachedemb import optim  # noqa: E402
-from recipes.dlrm.configs import PRESETS  # noqa: E402
-from recipes.dlrm.data import PreprocessedSplit, synthetic_criteo  # noqa: E402
-from recipes.dlrm.lr_schedule import LRSchedule, set_learning_rates  # noqa: E402
-from recipes.dlrm.model import DLRM, DLRMConfig  # noqa: E402
+from cachedemb.recipes.dlrm.configs import PRESETS  # noqa: E402
+from cachedemb.recipes.dlrm.data import PreprocessedSplit, synthetic_criteo  # noqa: E402
+from cachedemb.recipes.dlrm.lr_schedule import LRSchedule, set_learning_rates  # noqa: E402
+from cachedemb.recipes.dlrm.model import DLRM, DLRMConfig  # noqa: E402
 
 ROWS = 20_000
 BATCH = 256

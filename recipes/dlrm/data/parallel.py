@@ -28,6 +28,7 @@ import numpy as np
 from .avazu import AVAZU_HEADER, _decode_avazu
 from .configs import AVAZU_COLUMNS
 from .criteo import CRITEO_NUM_FIELDS, _decode_criteo, _split_fixed, open_binary, read_lines
+from .transform import count_into, dense_transform  # the serial pass's own functions: the same bytes
 
 #: Target bytes per unit of a plain file: big enough to amortize a task, small enough to balance workers.
 DEFAULT_SPLIT_BYTES = 64 << 20
@@ -158,8 +159,6 @@ class FillTask(NamedTuple):
 
 def fill_unit(task: FillTask) -> int:
     """Parse the unit and write its rows in place; returns the rows written."""
-    from .preprocess import dense_transform  # the serial path's transform, by import (no copy)
-
     sep, num_fields, layout, decode = _FORMATS[task.raw_format]
     sizes = np.asarray(task.table_sizes, dtype=np.int64)
     out = Path(task.out)
@@ -191,15 +190,13 @@ def fill_unit(task: FillTask) -> int:
 
 def count_features(args: tuple[str, str, tuple[int, ...], tuple[int, ...]]) -> None:
     """Count the train ids of some features into their (disjoint) slices of the frequency file."""
-    from .preprocess import _count_into
-
     sparse_path, freq_path, features, offsets = args
     sparse = np.load(sparse_path, mmap_mode="r")
     freq = np.load(freq_path, mmap_mode="r+")
     for lo in range(0, sparse.shape[0], _FREQ_BLOCK_ROWS):
         block = np.asarray(sparse[lo: lo + _FREQ_BLOCK_ROWS])
         for f in features:
-            _count_into(freq[offsets[f]: offsets[f + 1]], block[:, f], offsets[f + 1] - offsets[f])
+            count_into(freq[offsets[f]: offsets[f + 1]], block[:, f], offsets[f + 1] - offsets[f])
     freq.flush()
 
 

@@ -40,6 +40,7 @@ from .criteo import (
     open_binary,
     read_criteo_tsv,
 )
+from .transform import DENSE_TRANSFORM, count_into, dense_transform
 
 __all__ = [
     "SPLITS",
@@ -58,13 +59,6 @@ __all__ = [
 SPLITS = ("train", "val", "test")
 FORMAT_VERSION = 1
 
-#: torchrec's Criteo pipeline (torchrec/datasets/scripts/nvt/process_criteo_parquet.py):
-#: FillMissing(0), then col + 2, then LogOp (log1p), i.e. log(x + 3). Criteo has a few
-#: values below -2 where that is undefined; they are clamped to -2 (-> log 1 = 0).
-#: (torchrec's in-memory ``tsv_to_npys`` instead shifts by a per-file minimum; a fixed
-#: shift keeps train/val/test on one scale.)
-DENSE_TRANSFORM = "log(max(x, -2) + 3), missing x = 0"
-
 _RAW_SHAPES = {"criteo_tsv": (CRITEO_NUM_DENSE, CRITEO_NUM_CAT), "avazu_csv": (AVAZU_NUM_DENSE, AVAZU_NUM_CAT)}
 _READERS: dict[str, Callable[..., Iterator[RawChunk]]] = {
     "criteo_tsv": read_criteo_tsv,
@@ -73,11 +67,6 @@ _READERS: dict[str, Callable[..., Iterator[RawChunk]]] = {
 _HEADER_LINES = {"criteo_tsv": 0, "avazu_csv": 1}
 _ID_FREQ = "train_id_freq.npy"
 _ID_FREQ_OFFSETS = "train_id_freq_offsets.npy"
-
-
-def dense_transform(raw: np.ndarray) -> np.ndarray:
-    """Apply :data:`DENSE_TRANSFORM` to raw dense values (missing already 0); float32 out."""
-    return np.log(np.maximum(np.asarray(raw, dtype=np.float64), -2.0) + 3.0).astype(np.float32)
 
 
 def count_lines(path: str | os.PathLike) -> int:
@@ -102,15 +91,6 @@ def _new_array(tmp: Path, name: str, dtype, shape: tuple[int, ...]) -> np.ndarra
         np.save(path, arr)
         return arr
     return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
-
-
-def _count_into(counts: np.ndarray, ids: np.ndarray, size: int) -> None:
-    """counts[ids] += multiplicity, without an O(size) temporary for huge tables."""
-    if size <= 4 * ids.size:
-        counts += np.bincount(ids, minlength=size)
-    else:
-        uniq, mult = np.unique(ids, return_counts=True)
-        counts[uniq] += mult
 
 
 def preprocess_files(
@@ -208,7 +188,7 @@ def _preprocess(inputs, out, config, plan, chunk_rows, header, executor, workers
                     l_arr[lo - bounds[k] : hi - bounds[k]] = chunk.labels[a:b]
                     if split == "train":
                         for f in range(config.num_cat):
-                            _count_into(freq[offsets[f] : offsets[f + 1]], sparse[a:b, f], int(sizes[f]))
+                            count_into(freq[offsets[f] : offsets[f + 1]], sparse[a:b, f], int(sizes[f]))
                 pos += n
                 seen += n
             if seen != expected:

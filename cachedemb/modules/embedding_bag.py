@@ -9,18 +9,19 @@ import torch
 from torch import nn
 
 from cachedemb import kernels
-from cachedemb.cache import BatchPlan, EmbeddingCache, pinned_empty, state_dtype
-from cachedemb.errors import (
+from cachedemb.cache.embedding_cache import BatchPlan, EmbeddingCache, pinned_empty, state_dtype
+from cachedemb.modules.factory import build_dynamic
+from cachedemb.modules.errors import (
     InvalidPaddingIdxError,
     InvalidWeightDtypeError,
     InvalidWeightShapeError,
     NotScriptableError,
     StaleTableWriteError,
 )
-from cachedemb.input_check import BagInput, integer_arg, normalize_bag_input, size_arg
-from cachedemb.meta_init import MetaTable, TableInit, init_rows, probe_apply
+from cachedemb.modules.input_check import BagInput, integer_arg, normalize_bag_input, size_arg
+from cachedemb.modules.meta_init import MetaTable, TableInit, init_rows, probe_apply
 from cachedemb.optim import SparseOptimizer
-from cachedemb.policy import Policy
+from cachedemb.cache.policy import Policy
 
 _STEP_KEY = "optimizer.step"
 # Tensors over the table's memory that the module itself holds: the Parameter, the cache's `.data` alias, and
@@ -148,11 +149,10 @@ class CachedEmbeddingBag(nn.Module):
     """
 
     def __new__(cls, *args, dynamic=None, **kwargs):
-        # CachedEmbeddingBag(None, dim, ..., dynamic=DynamicIds(...)) builds the raw-id module (cachedemb.dynamic):
-        # not an instance of cls, so Python skips __init__.
+        # CachedEmbeddingBag(None, dim, ..., dynamic=DynamicIds(...)) builds the raw-id module cachedemb.dynamic
+        # registers (modules/factory.py): not an instance of cls, so Python skips __init__.
         if dynamic is not None:
-            from cachedemb.dynamic import DynamicEmbeddingBag
-            return DynamicEmbeddingBag(*args, dynamic=dynamic, **kwargs)
+            return build_dynamic(*args, dynamic=dynamic, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import torch
 
 from cachedemb import kernels
-from cachedemb.host_memory import host_empty, pinned_copy
+from cachedemb.cache.host_memory import host_empty, pinned_copy
 from cachedemb.kernels import PROTECTED, id_index
 from cachedemb.kernels.gather import take
-from cachedemb.policy import Policy, SlotView, resolve, score_kernel
-from cachedemb.sync_mode import counts_on_host
-from cachedemb.victim_pool import VictimPool
+from cachedemb.cache.policy import Policy, SlotView, resolve, score_kernel
+from cachedemb.cache.sync_mode import counts_on_host
+from cachedemb.cache.victim_pool import VictimPool
 
 STAT_NAMES = ("lookups", "unique", "hits", "misses", "evictions", "rows_in", "rows_out", "windows",
               "window_rows_in", "host_rows", "invalid_ids", "invalid_offsets")

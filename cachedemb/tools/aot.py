@@ -364,15 +364,26 @@ def resource_usage(cubin: bytes, kernel_name: str) -> dict[str, int]:
 _PTXAS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
+def ptxas_for(arch: int) -> str:
+    """The ptxas Triton itself assembles sm_<arch> with: Triton 3.9 uses its newer `ptxas-blackwell` from sm_90 on
+    (3.7 from sm_100), and the PTX it emits then has an ISA version the older bundled ptxas rejects."""
+    from triton import knobs
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+    except ImportError:
+        return knobs.nvidia.ptxas.path
+    return get_ptxas(arch).path
+
+
 def ptxas_spills(ptx: str, arch: int) -> dict[str, int]:
     """Spill stores / loads of the kernel in `ptx` as `ptxas -v` reports them (a stack frame alone is no spill)."""
-    from triton import knobs
     from triton.backends.nvidia.compiler import sm_arch_from_capability
 
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
-        cmd = [knobs.nvidia.ptxas.path, "-v", f"--gpu-name={sm_arch_from_capability(arch)}", str(src), "-o",
+        cmd = [ptxas_for(arch), "-v", f"--gpu-name={sm_arch_from_capability(arch)}", str(src), "-o",
                str(Path(tmp) / "kernel.o")]
         # Triton 3.7's make_cubin adds --regAllocOptLevel=2 (it changes allocation); older ptxas may lack it
         proc = subprocess.run(cmd[:1] + ["--regAllocOptLevel=2"] + cmd[1:], capture_output=True, text=True)
@@ -445,7 +456,7 @@ def compile_variants(variants, archs=(90, 80), jobs: int = 2) -> list[dict]:
         for i in range(jobs):
             job_path, out_path = Path(tmp) / f"jobs{i}.json", Path(tmp) / f"out{i}.json"
             job_path.write_text(json.dumps(work[i::jobs]))
-            cmd = [sys.executable, "-m", "cachedemb.aot", "compile", str(job_path), str(out_path)]
+            cmd = [sys.executable, "-m", "cachedemb.tools.aot", "compile", str(job_path), str(out_path)]
             procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                            text=True), out_path))
         shards = []
@@ -474,7 +485,7 @@ def record_library_launches(**workload) -> list[KernelVariant]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "variants.json"
-        cmd = [sys.executable, "-m", "cachedemb.aot", "record", str(out), json.dumps(workload)]
+        cmd = [sys.executable, "-m", "cachedemb.tools.aot", "record", str(out), json.dumps(workload)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"recording worker exited with {proc.returncode}:\n{proc.stderr[-4000:]}")

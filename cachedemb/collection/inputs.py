@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import torch
 
-from cachedemb.sync_mode import counts_on_host
+from cachedemb.cache.sync_mode import counts_on_host
 
 # An unchecked id outside its table becomes this (still negative after the table's row offset is added), which
 # the group's module turns into a padding lookup and counts as invalid.

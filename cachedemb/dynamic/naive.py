@@ -11,8 +11,8 @@ from collections import Counter
 
 import torch
 
-from cachedemb.dynamic import DynamicIds
-from cachedemb.dynamic_index import _GOLDEN, _i64, _lsr, mix64
+from cachedemb.dynamic.embedding_bag import DynamicIds
+from cachedemb.dynamic.index import _GOLDEN, _i64, _lsr, mix64
 
 UNADMITTED_ROW, PAD_ROW = 0, 1
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cachedemb.collection import CachedEmbeddingBagCollection
-from cachedemb.collection_inputs import is_torchrec, torchrec_type
+from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection
+from cachedemb.collection.inputs import is_torchrec, torchrec_type
 from cachedemb.distributed.plan import TableSharding
-from cachedemb.distributed.sharded_bag import ShardedEmbeddingBag
-from cachedemb.distributed.sharded_dynamic import ShardedDynamicEmbeddingBag
-from cachedemb.dynamic import DynamicEmbeddingBag
-from cachedemb.embedding_bag import CachedEmbeddingBag
+from cachedemb.distributed.bag import ShardedEmbeddingBag
+from cachedemb.distributed.dynamic import ShardedDynamicEmbeddingBag
+from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag
+from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 
 
 def _table_module(collection: CachedEmbeddingBagCollection, index: int) -> CachedEmbeddingBag:

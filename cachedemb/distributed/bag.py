@@ -35,10 +35,10 @@ from torch import nn
 
 from cachedemb.distributed.exchange import AllToAllRows, LocalSliceOfReplicated, all_to_all, exchange_counts
 from cachedemb.distributed.plan import ShardingType, TableSharding
-from cachedemb.embedding_bag import CachedEmbeddingBag
-from cachedemb.cache import pinned_empty
-from cachedemb.input_check import normalize_bag_input
-from cachedemb.meta_init import init_rows
+from cachedemb.modules.embedding_bag import CachedEmbeddingBag
+from cachedemb.cache.embedding_cache import pinned_empty
+from cachedemb.modules.input_check import normalize_bag_input
+from cachedemb.modules.meta_init import init_rows
 
 
 def lookups_with_bags(ids: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None, pad_id):

@@ -9,7 +9,7 @@ feature) pair: a feature several tables look up is one lookup per table (output 
 A table with `dynamic=DynamicIds(...)` (raw int64 ids, cachedemb.dynamic) is a group of its own, a
 DynamicEmbeddingBag over its slab: its lookups' raw ids go in unshifted and the remap finds their rows.
 
-fx tracing, export, torch.compile and TorchScript: see `cachedemb.collection_capture`.
+fx tracing, export, torch.compile and TorchScript: see `cachedemb.collection.capture`.
 """
 from __future__ import annotations
 
@@ -21,17 +21,17 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from cachedemb import collection_capture as capture
-from cachedemb.cache import pinned_empty
-from cachedemb.collection_capture import NotScriptableError, fx_lookup, fx_lookup_live
-from cachedemb.collection_inputs import CollectionInputs, is_torchrec, torchrec_type
-from cachedemb.dynamic import DynamicEmbeddingBag, DynamicIds
-from cachedemb.embedding_bag import CachedEmbeddingBag
-from cachedemb.errors import InvalidWeightDtypeError, InvalidWeightShapeError
-from cachedemb.meta_init import probe_apply
+from cachedemb.collection import capture
+from cachedemb.cache.embedding_cache import pinned_empty
+from cachedemb.collection.capture import NotScriptableError, fx_lookup, fx_lookup_live
+from cachedemb.collection.inputs import CollectionInputs, is_torchrec, torchrec_type
+from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag, DynamicIds
+from cachedemb.modules.embedding_bag import CachedEmbeddingBag
+from cachedemb.modules.errors import InvalidWeightDtypeError, InvalidWeightShapeError
+from cachedemb.modules.meta_init import probe_apply
 from cachedemb.optim import SparseOptimizer
-from cachedemb.policy import Policy
-from cachedemb.table_config import DTYPES, TableConfig
+from cachedemb.cache.policy import Policy
+from cachedemb.collection.table_config import DTYPES, TableConfig
 
 # Under torch.fx.symbolic_trace each lookup is one node calling these (patched in this module's globals).
 torch.fx.wrap("fx_lookup")

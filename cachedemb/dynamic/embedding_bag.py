@@ -30,8 +30,8 @@ evicted id that returns is bit-equal to a never-seen one (`EmbeddingCache.reread
 
 Eval forwards (`module.eval()` or no grad) are read-only: no counting, no admission, no sweep (inside a prefetch
 loop they see the admissions of the batches already read ahead).
-The reference path (a Python dict remap) is `cachedemb.dynamic_naive`; the id index is `cachedemb.dynamic_index`,
-the serving module `cachedemb.dynamic_keyed`.
+The reference path (a Python dict remap) is `cachedemb.dynamic.naive`; the id index is `cachedemb.dynamic.index`,
+the serving module `cachedemb.dynamic.keyed`.
 """
 from __future__ import annotations
 
@@ -43,9 +43,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from cachedemb.cache import EmbeddingCache
-from cachedemb.dynamic_index import _GOLDEN, _MIX1, _MIX2, IdIndex, _i64, mix64
-from cachedemb.dynamic_keyed import KeyedEmbeddingBag
+from cachedemb.cache.embedding_cache import EmbeddingCache
+from cachedemb.dynamic.index import _GOLDEN, _MIX1, _MIX2, IdIndex, _i64, mix64
+from cachedemb.dynamic.keyed import KeyedEmbeddingBag
+from cachedemb.modules.embedding_bag import CachedEmbeddingBag
+from cachedemb.modules.factory import register_dynamic
 from cachedemb.optim import SparseOptimizer
 
 ON_FULL = ("evict_lfu", "evict_lru", "reject")
@@ -55,7 +57,7 @@ def initial_rows(seed: int, ids: torch.Tensor, dim: int, dtype: torch.dtype = to
     """[n, dim] N(0, 1) rows (nn.EmbeddingBag's init) as a pure function of (seed, id): a splitmix64 stream
     keyed by the id, pairs of 53-bit uniforms through Box-Muller, computed in float64 on the host.
 
-    The same values, bit for bit, as `cachedemb.dynamic_naive.initial_rows_reference` (the formulation written
+    The same values, bit for bit, as `cachedemb.dynamic.naive.initial_rows_reference` (the formulation written
     out op by op); this one works in place on two [n, 2P] buffers, which halves its time on admission-heavy
     steps (tests/test_dynamic.py compares the two)."""
     ids = ids.reshape(-1).to(device="cpu", dtype=torch.int64)
@@ -142,6 +144,7 @@ class DynamicIds:
 _STAT_NAMES = ("ids_seen", "admitted", "rejected", "evicted", "expired", "unadmitted_lookups")
 
 
+@register_dynamic  # CachedEmbeddingBag(None, dim, ..., dynamic=...) builds this class
 class DynamicEmbeddingBag(nn.Module):
     """nn.EmbeddingBag over raw int64 ids: an exact host index (id -> slab row) in front of a
     CachedEmbeddingBag over a slab of `dynamic.capacity` rows. Built by
@@ -165,8 +168,6 @@ class DynamicEmbeddingBag(nn.Module):
                  optimizer: SparseOptimizer | None = None, cache_ratio: float = 0.01, cache_rows: int | None = None,
                  in_flight_rows: int | None = None, **cache_kwargs):
         super().__init__()
-        from cachedemb.embedding_bag import CachedEmbeddingBag
-
         if num_embeddings is not None:
             raise ValueError(f"with dynamic=DynamicIds(...) the id space is all of int64: pass num_embeddings=None "
                              f"(rows are bounded by DynamicIds.capacity), got {num_embeddings!r}")

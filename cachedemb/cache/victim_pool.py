@@ -23,7 +23,7 @@ policy's torch scoring and the torch reference compute the ranking anyway. The s
 
 Two levels under the CUDA rules: the static bound on a batch's victims is its lookups, often many times its
 misses. The pool is sized by the misses instead (`k1` victims a batch, ~10 batches of them), from miss counts
-that reach the host without a sync (cachedemb/miss_estimate.py); a batch admitting more than k1 raises the same
+that reach the host without a sync (cachedemb/cache/miss_estimate.py); a batch admitting more than k1 raises the same
 device flag and takes the gated ranking's k victims.
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ import torch
 
 from cachedemb import kernels
 from cachedemb.kernels import PROTECTED
-from cachedemb.miss_estimate import MissEstimate
-from cachedemb.policy import is_monotone
+from cachedemb.cache.miss_estimate import MissEstimate
+from cachedemb.cache.policy import is_monotone
 
 POOL_BATCHES = 8  # the pool holds about this many batches' worth of victims
 

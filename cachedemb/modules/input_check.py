@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from cachedemb import kernels
-from cachedemb.errors import (InvalidIdError, InvalidInputTypeError, InvalidOffsetsError, NegativeSizeError,
-                              NotAnIntegerError, NotATensorError, UnsupportedModeError)
-from cachedemb.sync_mode import counts_on_host
+from cachedemb.modules.errors import (InvalidIdError, InvalidInputTypeError, InvalidOffsetsError, NegativeSizeError,
+                                      NotAnIntegerError, NotATensorError, UnsupportedModeError)
+from cachedemb.cache.sync_mode import counts_on_host
 
 _ID_DTYPES = (torch.int32, torch.int64)
 

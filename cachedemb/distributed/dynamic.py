@@ -43,13 +43,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cachedemb.collection import CachedEmbeddingBagCollection
+from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection
 from cachedemb.distributed.exchange import AllToAllRows, all_to_all, exchange_counts
-from cachedemb.distributed.sharded_bag import (ExchangedInput, ShardedEmbeddingBag, lookups_with_bags,
-                                                prefetch_args, rank_cuda_device)
-from cachedemb.dynamic import DynamicEmbeddingBag
-from cachedemb.dynamic_index import _i64, _lsr, mix64
-from cachedemb.input_check import normalize_bag_input
+from cachedemb.distributed.bag import (ExchangedInput, ShardedEmbeddingBag, lookups_with_bags,
+                                       prefetch_args, rank_cuda_device)
+from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag
+from cachedemb.dynamic.index import _i64, _lsr, mix64
+from cachedemb.modules.input_check import normalize_bag_input
 
 _OWNER_KEY = _i64(0xD6E8FEB86659FD93)
 _STEP_KEYS = ("step", "optimizer.step")

@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from cachedemb.errors import NotScriptableError  # noqa: F401  (re-exported: raised by the collection)
+from cachedemb.modules.errors import NotScriptableError  # noqa: F401  (re-exported: raised by the collection)
 
 SCRIPT_MESSAGE = (
     "cannot compile CachedEmbeddingBagCollection: its device cache is Python-side state (admission, eviction, "

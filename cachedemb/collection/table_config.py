@@ -7,9 +7,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from cachedemb.dynamic import DynamicIds
-from cachedemb.input_check import integer_arg
-from cachedemb.meta_init import TableInit
+from cachedemb.dynamic.embedding_bag import DynamicIds
+from cachedemb.modules.input_check import integer_arg
+from cachedemb.modules.meta_init import TableInit
 
 POOLINGS = ("sum", "mean")
 DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}  # torchrec DataType names

@@ -8,7 +8,7 @@ A view may cover only some slots (`slots` names them, `capacity` is the cache's)
 from that entry's metadata alone, so a slot's score is the same in any view (the victim pool relies on this).
 A policy marked `@monotone` promises more: while a slot keeps its id and its protection, its score never drops
 when the cache records a use (count up, last use later); the cache may then re-score only a candidate pool
-(cachedemb/victim_pool.py). Unmarked policies get a full ranking of every slot per batch with misses.
+(cachedemb/cache/victim_pool.py). Unmarked policies get a full ranking of every slot per batch with misses.
 """
 from __future__ import annotations
 

@@ -1,0 +1,8 @@
+"""Offline tools, outside the library's import graph: nothing in `cachedemb` imports them.
+
+`traces` (id traces: Zipf, Criteo-like, files), `cache_sim` (policy simulators, peers' policies and Belady-OPT;
+they import nothing of the cache) and `aot` (records the kernel variants a workload launches and compiles them
+for GPU targets without a GPU: `python -m cachedemb.tools.aot`). Used by benchmarks, scripts and tests.
+
+May import: anything in `cachedemb`.
+"""
