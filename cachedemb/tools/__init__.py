@@ -2,7 +2,8 @@
 
 `traces` (id traces: Zipf, Criteo-like, files), `cache_sim` (policy simulators, peers' policies and Belady-OPT;
 they import nothing of the cache) and `aot` (records the kernel variants a workload launches and compiles them
-for GPU targets without a GPU: `python -m cachedemb.tools.aot`). Used by benchmarks, scripts and tests.
+for GPU targets without a GPU; `python scripts/bench_kernels.py --aot`, tests/test_aot_compile.py). Used by
+benchmarks, scripts and tests.
 
 May import: anything in `cachedemb`.
 """
