@@ -81,7 +81,7 @@ class Config:
 
 #: --small: CPU-sized. A 5% cache, so that (as the 20M-row, 1% shape's 200k-row cache holds a batch's ~135k
 #: distinct ids) the 10k-row cache holds a batch's ~8.7k.
-SMALL = dict(rows=200_000, batch=1024, cache_ratio=0.05, warmup=3, steps=8)
+SMALL = dict(rows=200_000, batch=1024, cache_ratio=0.05, warmup=3, steps=12)
 
 
 class PeerUnavailable(Exception):
@@ -534,6 +534,7 @@ def parse_args(argv):
         else:
             p.add_argument(flag, type=type(f.default), default=None, help=f"default {f.default}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--peers", nargs="+", metavar="NAME", help="run only these (default: all)")
     p.add_argument("--machine", help="a description of the machine, recorded in the JSON")
     p.add_argument("--out", help="write the JSON here (also printed)")
@@ -547,6 +548,10 @@ def main(argv=None, peers: list[Peer] | None = None) -> dict:
               **{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
                  if getattr(args, f.name) is not None}}
     cfg = Config(**values)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     peers = default_peers() if peers is None else peers
     if args.peers:
