@@ -7,7 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from cachedemb.tools import cache_sim, traces
+from cachedemb.sizing import simulators as cache_sim
+from cachedemb.tools import traces
 
 INF = 1 << 62
 MASK64 = (1 << 64) - 1
@@ -205,6 +206,12 @@ def test_fmix64_matches_reference_and_wraps():
 
 
 # ---------------------------------------------------------------- optimality
+
+
+def test_old_module_name_serves_the_same_simulators():
+    from cachedemb.tools import cache_sim as old
+
+    assert old.simulate_lfu is cache_sim.simulate_lfu and set(old.__all__) == set(cache_sim.__all__)
 
 
 def test_opt_equals_exhaustive_optimum():

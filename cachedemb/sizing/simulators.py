@@ -1,0 +1,466 @@
+"""Offline simulation of row-cache eviction policies on id traces, at batch granularity.
+
+Why: choosing a cache policy for an embedding table that lives in host memory is a question of
+how many rows cross the host->device link.  Replaying recorded (or synthetic) id traces through
+vectorized simulators answers that question in seconds, and Belady-OPT gives the floor.
+
+The cache model, shared by every policy:
+
+* A trace is a sequence of batches (1-D integer arrays of ids, duplicates allowed).  While
+  batch ``t`` is processed all of its unique ids ``U_t`` must be resident together.
+* A *hit* is a unique id of the batch already resident before the batch, a *miss* one that is
+  not.  Each miss moves one row host->device, so per batch ``rows_moved = misses`` (the
+  lookahead policy also prefetches rows of the next batches; those count in the batch that
+  loads them, so there ``rows_moved`` can exceed ``misses``).
+* Rows are loaded on demand and evicted only to make room: if ``U_t`` plus the resident rows
+  exceed the capacity, the policy evicts resident rows *not* in the batch, lowest priority first.
+* Oversized batch (``|U_t| > capacity``): the batch cannot be resident together.  Every
+  non-batch row is evicted, the cache keeps the ``capacity`` ids of ``U_t`` that the policy ranks
+  highest (hits are not privileged), and the remaining misses are *streamed*: counted as misses
+  and rows moved, but not admitted (``SimResult.streamed`` counts them).  OPT uses the same rule
+  and keeps the ids whose next use is soonest.
+
+Every simulator loops over batches in Python and is vectorized over ids inside a batch
+(``np.unique``, fancy indexing, ``np.partition``/``np.lexsort`` over the resident set).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+__all__ = [
+    "INF",
+    "POLICIES",
+    "PreparedTrace",
+    "SimResult",
+    "murmur3_fmix64",
+    "prepare_trace",
+    "simulate",
+    "simulate_lfu",
+    "simulate_lfu_reset",
+    "simulate_lookahead",
+    "simulate_lru",
+    "simulate_opt",
+    "simulate_set_lru",
+]
+
+#: Next-use value of an id that is never used again (fits in int64 even when negated).
+INF = np.int64(1 << 62)
+
+# Traces whose ids are non-negative and below this bound (or below twice the number of
+# per-batch unique lookups) are indexed directly instead of being compacted with np.unique.
+_DIRECT_ID_BOUND = 1 << 22
+
+
+@dataclass(frozen=True, eq=False)
+class SimResult:
+    """Outcome of replaying one trace through one policy; counts are per-batch unique ids."""
+
+    policy: str
+    capacity: int
+    rows_moved: int
+    hits: int
+    misses: int
+    streamed: int
+    lookups: int
+    unique_lookups: int
+    rows_moved_per_batch: np.ndarray
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of per-batch unique ids that were resident before their batch."""
+        return self.hits / self.unique_lookups if self.unique_lookups else 0.0
+
+
+class PreparedTrace:
+    """A trace reduced to per-batch sorted unique dense ids and their occurrence counts.
+
+    Why: every simulator needs the same per-batch ``np.unique``; preparing once and passing the
+    result to several simulators avoids repeating that work.  Dense ids keep every per-id state
+    array as small as the set of distinct ids; dense order equals original id order, so ties
+    broken "by id" mean the same thing in both spaces.
+    """
+
+    def __init__(self, trace: Sequence[np.ndarray]):
+        if isinstance(trace, np.ndarray) and trace.ndim == 2:
+            trace = list(trace)
+        uniq, counts = [], []
+        lookups = 0
+        for t, batch in enumerate(trace):
+            b = np.asarray(batch)
+            if b.ndim != 1:
+                raise ValueError(f"trace batch {t}: expected a 1-D array of ids, got shape {b.shape}")
+            if b.size and not np.issubdtype(b.dtype, np.integer):
+                raise ValueError(f"trace batch {t}: expected integer ids, got dtype {b.dtype}")
+            u, c = np.unique(b.astype(np.int64, copy=False), return_counts=True)
+            uniq.append(u)
+            counts.append(c.astype(np.int64))
+            lookups += b.size
+        self.lookups = int(lookups)
+        self.num_batches = len(uniq)
+        self.unique_lookups = int(sum(u.size for u in uniq))
+        nonempty = [u for u in uniq if u.size]
+        lo = min((int(u[0]) for u in nonempty), default=0)
+        hi = max((int(u[-1]) for u in nonempty), default=-1)
+        if lo >= 0 and hi < max(_DIRECT_ID_BOUND, 2 * self.unique_lookups):
+            self.values = None  # dense id == original id
+            self.num_ids = hi + 1
+        else:
+            values, inverse = np.unique(np.concatenate(uniq), return_inverse=True)
+            splits = np.cumsum([u.size for u in uniq])[:-1]
+            uniq = [x.astype(np.int64) for x in np.split(inverse.ravel(), splits)]
+            self.values = values
+            self.num_ids = int(values.size)
+        self.uniq = uniq
+        self.counts = counts
+        self._next_use = None
+        self._first_use = None
+
+    def original_ids(self, dense: np.ndarray) -> np.ndarray:
+        """Map dense ids back to the trace's own id values."""
+        return dense if self.values is None else self.values[dense]
+
+    def _compute_next_use(self) -> None:
+        # Walk batches backwards: the next use of every id of batch t is the last batch seen so far.
+        seen = np.full(self.num_ids, INF, dtype=np.int64)
+        nxt = [None] * self.num_batches
+        for t in range(self.num_batches - 1, -1, -1):
+            u = self.uniq[t]
+            nxt[t] = seen[u]
+            seen[u] = t
+        self._next_use, self._first_use = nxt, seen
+
+    @property
+    def next_use(self) -> list[np.ndarray]:
+        """Per batch, aligned with ``uniq[t]``: the next batch index using each id, or ``INF``."""
+        if self._next_use is None:
+            self._compute_next_use()
+        return self._next_use
+
+    @property
+    def first_use(self) -> np.ndarray:
+        """Per dense id: the first batch using it (``INF`` for dense ids that never occur)."""
+        if self._first_use is None:
+            self._compute_next_use()
+        return self._first_use
+
+
+def prepare_trace(trace) -> PreparedTrace:
+    """Return ``trace`` as a :class:`PreparedTrace` (unchanged if it already is one)."""
+    return trace if isinstance(trace, PreparedTrace) else PreparedTrace(trace)
+
+
+def _check_capacity(capacity) -> int:
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+        raise ValueError(f"capacity must be a positive integer number of rows, got {capacity!r}")
+    return int(capacity)
+
+
+def _lowest(keys: list[np.ndarray], n: int) -> np.ndarray:
+    """Indices of the ``n`` smallest entries under lexicographic order of ``keys`` (primary first).
+
+    The last key must be unique (the id), which makes the choice deterministic.  Partitioning on
+    the primary key first keeps the common case linear; only the tie group is lexsorted.
+    """
+    m = keys[0].size
+    if n <= 0:
+        return np.empty(0, dtype=np.int64)
+    if n >= m:
+        return np.arange(m)
+    primary = keys[0]
+    kth = np.partition(primary, n - 1)[n - 1]
+    below = np.flatnonzero(primary < kth)
+    tie = np.flatnonzero(primary == kth)
+    need = n - below.size
+    if need == tie.size:
+        return np.concatenate([below, tie])
+    order = np.lexsort([k[tie] for k in reversed(keys[1:])])
+    return np.concatenate([below, tie[order[:need]]])
+
+
+class _Policy:
+    """Per-id state and eviction priority of one fully associative policy."""
+
+    name = ""
+
+    def __init__(self, prep: PreparedTrace, capacity: int):
+        self.prep = prep
+        self.capacity = capacity
+        self.last = np.full(prep.num_ids, -1, dtype=np.int64)
+
+    def access(self, t: int, u: np.ndarray, cnt: np.ndarray, hit: np.ndarray) -> None:
+        self.last[u] = t
+
+    def window(self, t: int) -> np.ndarray:
+        """Ids that must be resident for batch ``t`` (sorted, unique)."""
+        return self.prep.uniq[t]
+
+    def keys(self, ids: np.ndarray, t: int) -> list[np.ndarray]:
+        """Eviction order: lexicographically smallest is evicted first; last key is the id."""
+        raise NotImplementedError
+
+
+class _LRU(_Policy):
+    name = "lru"
+
+    def keys(self, ids, t):
+        return [self.last[ids], ids]
+
+
+class _LFU(_Policy):
+    name = "lfu"
+
+    def __init__(self, prep, capacity):
+        super().__init__(prep, capacity)
+        self.count = np.zeros(prep.num_ids, dtype=np.int64)
+
+    def access(self, t, u, cnt, hit):
+        super().access(t, u, cnt, hit)
+        self.count[u] += cnt
+
+    def keys(self, ids, t):
+        return [self.count[ids], self.last[ids], ids]
+
+
+class _LFUReset(_LFU):
+    name = "lfu_reset"
+
+    def access(self, t, u, cnt, hit):
+        self.last[u] = t
+        self.count[u[hit]] += cnt[hit]
+        self.count[u[~hit]] = cnt[~hit]  # admitted (or streamed) now: count starts afresh
+
+
+class _OPT(_Policy):
+    name = "opt"
+
+    def __init__(self, prep, capacity):
+        super().__init__(prep, capacity)
+        self.next_use = prep.first_use.copy()
+
+    def access(self, t, u, cnt, hit):
+        super().access(t, u, cnt, hit)
+        self.next_use[u] = self.prep.next_use[t]
+
+    def keys(self, ids, t):
+        return [-self.next_use[ids], ids]
+
+
+class _Lookahead(_OPT):
+    name = "lookahead"
+
+    def __init__(self, prep, capacity, horizon: int, depth: int):
+        super().__init__(prep, capacity)
+        self.horizon = horizon
+        self.depth = depth
+        self.count = np.zeros(prep.num_ids, dtype=np.int64)
+
+    def access(self, t, u, cnt, hit):
+        super().access(t, u, cnt, hit)
+        self.count[u] += cnt
+
+    def window(self, t):
+        uniq = self.prep.uniq
+        p = uniq[t]
+        for j in range(1, min(self.depth, len(uniq) - t)):
+            q = np.union1d(p, uniq[t + j])
+            if q.size > self.capacity:
+                break
+            p = q
+        return p
+
+    def keys(self, ids, t):
+        nu = self.next_use[ids]
+        warm = nu < t + self.horizon
+        return [warm.astype(np.int64), np.where(warm, -nu, 0), self.count[ids], self.last[ids], ids]
+
+
+def _run(prep: PreparedTrace, policy: _Policy) -> SimResult:
+    """Replay ``prep`` through a fully associative cache governed by ``policy``."""
+    cap = policy.capacity
+    resident = np.zeros(prep.num_ids, dtype=bool)
+    stamp = np.full(prep.num_ids, -1, dtype=np.int64)
+    res = np.empty(0, dtype=np.int64)
+    per_batch = np.zeros(prep.num_batches, dtype=np.int64)
+    hits = streamed = 0
+    for t in range(prep.num_batches):
+        u, cnt = prep.uniq[t], prep.counts[t]
+        hit = resident[u]
+        hits += int(np.count_nonzero(hit))
+        policy.access(t, u, cnt, hit)
+        p = policy.window(t)
+        new = p[~resident[p]]
+        per_batch[t] = new.size
+        if p.size <= cap:
+            overflow = res.size + new.size - cap
+            if overflow > 0:
+                stamp[p] = t
+                cand = res[stamp[res] != t]
+                victims = cand[_lowest(policy.keys(cand, t), overflow)]
+                resident[victims] = False
+                res = res[resident[res]]
+            resident[new] = True
+            res = np.concatenate([res, new])
+        else:  # oversized batch (the window is then the batch itself)
+            drop = _lowest(policy.keys(u, t), u.size - cap)
+            keep = np.ones(u.size, dtype=bool)
+            keep[drop] = False
+            streamed += int(np.count_nonzero(~keep & ~hit))
+            resident[res] = False
+            res = u[keep]
+            resident[res] = True
+    misses = prep.unique_lookups - hits
+    return SimResult(
+        policy=policy.name,
+        capacity=cap,
+        rows_moved=int(per_batch.sum()),
+        hits=hits,
+        misses=misses,
+        streamed=streamed,
+        lookups=prep.lookups,
+        unique_lookups=prep.unique_lookups,
+        rows_moved_per_batch=per_batch,
+    )
+
+
+def simulate_lru(trace, capacity: int) -> SimResult:
+    """Least-recently-used: evict the resident id whose last batch is oldest, ties by lower id."""
+    prep = prepare_trace(trace)
+    return _run(prep, _LRU(prep, _check_capacity(capacity)))
+
+
+def simulate_lfu(trace, capacity: int) -> SimResult:
+    """LFU with persistent counts: each id's count is its total occurrences so far (surviving
+    evictions); evict the lowest count, ties by older last use, then lower id."""
+    prep = prepare_trace(trace)
+    return _run(prep, _LFU(prep, _check_capacity(capacity)))
+
+
+def simulate_lfu_reset(trace, capacity: int) -> SimResult:
+    """LFU whose counts restart on admission (ColossalAI's cache): a missed id's count becomes
+    its occurrences in the admitting batch, evicted ids forget it; ties as in :func:`simulate_lfu`."""
+    prep = prepare_trace(trace)
+    return _run(prep, _LFUReset(prep, _check_capacity(capacity)))
+
+
+def simulate_opt(trace, capacity: int) -> SimResult:
+    """Belady-OPT at batch granularity: evict ids never used again first, then the ones whose
+    next batch is furthest away (ties by lower id).  The floor on rows moved for demand caching."""
+    prep = prepare_trace(trace)
+    return _run(prep, _OPT(prep, _check_capacity(capacity)))
+
+
+def simulate_lookahead(trace, capacity: int, horizon: int, depth: int = 1) -> SimResult:
+    """Policy that sees ``horizon`` batches ahead and prefetches ``depth`` batches at once.
+
+    At batch ``t`` the rows of batches ``t..t+k-1`` are made resident together (``k <= depth``,
+    the largest whose union fits; ``k = 1`` when even that does not) and are never evicted.
+    Among other resident rows, those unused in batches ``t..t+horizon-1`` go first, least
+    frequently used first (counts and ties as in :func:`simulate_lfu`); then the rows whose next
+    use is furthest away.  Prefetched rows count as rows moved in the batch that loads them.
+    """
+    for name, v in (("horizon", horizon), ("depth", depth)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be a positive number of batches, got {v!r}")
+    prep = prepare_trace(trace)
+    return _run(prep, _Lookahead(prep, _check_capacity(capacity), int(horizon), int(depth)))
+
+
+def murmur3_fmix64(ids) -> np.ndarray:
+    """MurmurHash3's 64-bit finalizer on int64 ids (as uint64, wrapping), FBGEMM's ``cache_slot`` mix."""
+    h = np.asarray(ids).astype(np.int64).view(np.uint64).copy()
+    with np.errstate(over="ignore"):
+        h ^= h >> np.uint64(33)
+        h *= np.uint64(0xFF51AFD7ED558CCD)
+        h ^= h >> np.uint64(33)
+        h *= np.uint64(0xC4CEB9FE1A85EC53)
+        h ^= h >> np.uint64(33)
+    return h
+
+
+def simulate_set_lru(trace, capacity: int, ways: int = 32) -> SimResult:
+    """Set-associative LRU laid out like FBGEMM's cache.
+
+    ``ways = min(ways, capacity)`` and ``num_sets = capacity // ways`` (so ``num_sets * ways``
+    rows are usable); an id lives in set ``murmur3_fmix64(id) % num_sets`` and each set is an
+    LRU of ``ways`` slots (ties by lower id).  If a batch maps more ids to one set than it has
+    ways, that set keeps the ``ways`` highest-ranked batch ids (the largest ids, all being
+    equally recent) and streams the other misses, counted in ``streamed``.
+    """
+    capacity = _check_capacity(capacity)
+    if isinstance(ways, bool) or not isinstance(ways, (int, np.integer)) or ways < 1:
+        raise ValueError(f"ways must be a positive integer, got {ways!r}")
+    prep = prepare_trace(trace)
+    ways = min(int(ways), capacity)
+    num_sets = capacity // ways
+    dense = np.arange(prep.num_ids, dtype=np.int64)
+    set_of = (murmur3_fmix64(prep.original_ids(dense)) % np.uint64(num_sets)).astype(np.int64)
+    table = np.full((num_sets, ways), -1, dtype=np.int64)
+    resident = np.zeros(prep.num_ids, dtype=bool)
+    last = np.full(prep.num_ids, -1, dtype=np.int64)
+    per_batch = np.zeros(prep.num_batches, dtype=np.int64)
+    span_t, span_id = prep.num_batches + 1, max(prep.num_ids, 1)
+    fused = num_sets * span_t * span_id < 1 << 62
+    hits = streamed = 0
+    for t in range(prep.num_batches):
+        u = prep.uniq[t]
+        hit = resident[u]
+        hits += int(np.count_nonzero(hit))
+        last[u] = t
+        miss = u[~hit]
+        per_batch[t] = miss.size
+        if not miss.size:
+            continue
+        sets, row_of_miss = np.unique(set_of[miss], return_inverse=True)
+        block = table[sets]
+        occupied = block >= 0
+        cand = np.concatenate([block[occupied], miss])
+        row = np.concatenate([np.nonzero(occupied)[0], row_of_miss.ravel()])
+        # Within each set keep the most recent first, then the larger id.
+        if fused:  # one int64 key sorts faster than a three-key lexsort
+            order = np.argsort((row * span_t + (t - last[cand])) * span_id + (span_id - 1 - cand))
+        else:
+            order = np.lexsort((-cand, -last[cand], row))
+        cand, row = cand[order], row[order]
+        rank = np.arange(cand.size) - np.searchsorted(row, row)
+        keep = rank < ways
+        was_resident = resident[cand]
+        streamed += int(np.count_nonzero(~keep & ~was_resident))
+        resident[cand] = keep
+        new_block = np.full_like(block, -1)
+        new_block[row[keep], rank[keep]] = cand[keep]
+        table[sets] = new_block
+    return SimResult(
+        policy="set_lru",
+        capacity=capacity,
+        rows_moved=int(per_batch.sum()),
+        hits=hits,
+        misses=prep.unique_lookups - hits,
+        streamed=streamed,
+        lookups=prep.lookups,
+        unique_lookups=prep.unique_lookups,
+        rows_moved_per_batch=per_batch,
+    )
+
+
+#: Simulators by name, for benchmarks that sweep policies.
+POLICIES: dict[str, Callable[..., SimResult]] = {
+    "lru": simulate_lru,
+    "lfu": simulate_lfu,
+    "lfu_reset": simulate_lfu_reset,
+    "set_lru": simulate_set_lru,
+    "lookahead": simulate_lookahead,
+    "opt": simulate_opt,
+}
+
+
+def simulate(policy: str, trace, capacity: int, **kwargs) -> SimResult:
+    """Run the simulator registered as ``policy`` in :data:`POLICIES`."""
+    try:
+        fn = POLICIES[policy]
+    except KeyError:
+        raise ValueError(f"unknown policy {policy!r}; expected one of {sorted(POLICIES)}") from None
+    return fn(trace, capacity, **kwargs)
