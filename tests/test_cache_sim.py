@@ -24,11 +24,13 @@ def random_trace(rng, num_ids, num_batches, max_batch):
 # ---------------------------------------------------------------- pure-Python references
 
 
-def ref_full(trace, capacity, policy, horizon=1, depth=1):
+def ref_full(trace, capacity, policy, horizon=1, depth=1, initial_counts=None, preload=()):
     """One id at a time, with sets and dicts: the rules as the cache_sim docstrings state them."""
     batches = [Counter(int(x) for x in b) for b in trace]
     T = len(batches)
-    cache, last, count, rcount = set(), {}, Counter(), {}
+    cache, last, count, rcount = {int(i) for i in preload}, {}, Counter(), {}
+    if initial_counts is not None:
+        count.update({i: int(c) for i, c in enumerate(initial_counts)})
     moved, hits, streamed = [], 0, 0
     for t in range(T):
         U = set(batches[t])
@@ -49,11 +51,11 @@ def ref_full(trace, capacity, policy, horizon=1, depth=1):
 
         def key(i):
             if policy == "lru":
-                return (last[i], i)
+                return (last.get(i, -1), i)
             if policy == "lfu":
-                return (count[i], last[i], i)
+                return (count[i], last.get(i, -1), i)
             if policy == "lfu_reset":
-                return (rcount[i], last[i], i)
+                return (rcount.get(i, 0), last.get(i, -1), i)
             if policy == "opt":
                 return (-next_use(i), i)
             nu = next_use(i)
@@ -178,6 +180,41 @@ def test_lookahead_matches_reference():
             check(r, ref_full(trace, cap, "lookahead", horizon, depth))
             assert r.misses == r.unique_lookups - r.hits
             assert r.misses <= r.rows_moved
+
+
+def test_warm_start_matches_reference():
+    """Preloaded rows and seeded counts (the module's id_freq + warmup_ratio), ids compacted or not."""
+    for seed in range(80):
+        rng = np.random.default_rng(500 + seed)
+        num_ids = int(rng.integers(3, 25))
+        trace = random_trace(rng, num_ids, int(rng.integers(1, 12)), int(rng.integers(1, 8)))
+        counts = rng.integers(0, 6, size=num_ids + 3)
+        for cap in (1, 3, 6, 12):
+            preload = rng.choice(num_ids + 3, size=min(cap, num_ids + 3, int(rng.integers(0, cap + 1))), replace=False)
+            for shift in (0, 1 << 40):  # ids past the direct-index bound are compacted
+                shifted = [b + shift for b in trace]
+                big_counts = counts if not shift else None
+                for policy in ("lru", "lfu", "lfu_reset", "opt"):
+                    kw = {"initial_counts": big_counts} if policy == "lfu" else {}
+                    r = cache_sim.simulate(policy, shifted, cap, preload=preload + shift, **kw)
+                    ref = ref_full(trace, cap, policy, initial_counts=big_counts if policy == "lfu" else None,
+                                   preload=preload)
+                    check(r, ref)
+                r = cache_sim.simulate_lookahead(shifted, cap, horizon=2, depth=2, initial_counts=big_counts,
+                                                 preload=preload + shift)
+                check(r, ref_full(trace, cap, "lookahead", 2, 2, initial_counts=big_counts, preload=preload))
+
+
+def test_warm_start_errors():
+    with pytest.raises(ValueError, match="more than the capacity"):
+        cache_sim.simulate_lfu([np.array([1, 2])], 2, preload=[3, 4, 5])
+    with pytest.raises(ValueError, match="initial_counts must be a 1-D integer"):
+        cache_sim.simulate_lfu([np.array([1, 2])], 2, initial_counts=np.ones((2, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match="non-negative"):
+        cache_sim.simulate_lfu([np.array([1, 2])], 2, initial_counts=np.array([0, -1, 0]))
+    prep = cache_sim.prepare_trace([np.array([1 << 40])])
+    with pytest.raises(ValueError, match="neither in the trace"):
+        cache_sim.simulate_lru(prep, 2, preload=[7])
 
 
 def test_set_lru_matches_reference():

@@ -20,6 +20,10 @@ The cache model, shared by every policy:
   and rows moved, but not admitted (``SimResult.streamed`` counts them).  OPT uses the same rule
   and keeps the ids whose next use is soonest.
 
+* Warm start (the module's `id_freq` + `warmup_ratio`): ``preload`` ids are resident before the first batch
+  (never accessed: last use -1), and ``initial_counts`` seed the counts of the policies that keep them (lfu,
+  lookahead); preloading moves no row in the trace's batches.
+
 Every simulator loops over batches in Python and is vectorized over ids inside a batch
 (``np.unique``, fancy indexing, ``np.partition``/``np.lexsort`` over the resident set).
 """
@@ -84,7 +88,9 @@ class PreparedTrace:
     broken "by id" mean the same thing in both spaces.
     """
 
-    def __init__(self, trace: Sequence[np.ndarray]):
+    def __init__(self, trace: Sequence[np.ndarray], extra_ids: np.ndarray | None = None):
+        """``extra_ids``: ids that must exist in the dense id space though the trace may never use them (a
+        warm start's preloaded rows)."""
         if isinstance(trace, np.ndarray) and trace.ndim == 2:
             trace = list(trace)
         uniq, counts = [], []
@@ -102,16 +108,17 @@ class PreparedTrace:
         self.lookups = int(lookups)
         self.num_batches = len(uniq)
         self.unique_lookups = int(sum(u.size for u in uniq))
-        nonempty = [u for u in uniq if u.size]
+        extra = np.unique(np.asarray(extra_ids if extra_ids is not None else [], dtype=np.int64).ravel())
+        nonempty = [u for u in uniq + [extra] if u.size]
         lo = min((int(u[0]) for u in nonempty), default=0)
         hi = max((int(u[-1]) for u in nonempty), default=-1)
-        if lo >= 0 and hi < max(_DIRECT_ID_BOUND, 2 * self.unique_lookups):
+        if lo >= 0 and hi < max(_DIRECT_ID_BOUND, 2 * (self.unique_lookups + extra.size)):
             self.values = None  # dense id == original id
             self.num_ids = hi + 1
         else:
-            values, inverse = np.unique(np.concatenate(uniq), return_inverse=True)
-            splits = np.cumsum([u.size for u in uniq])[:-1]
-            uniq = [x.astype(np.int64) for x in np.split(inverse.ravel(), splits)]
+            values, inverse = np.unique(np.concatenate(uniq + [extra]), return_inverse=True)
+            splits = np.cumsum([u.size for u in uniq])
+            uniq = [x.astype(np.int64) for x in np.split(inverse.ravel(), splits)][: len(uniq)]
             self.values = values
             self.num_ids = int(values.size)
         self.uniq = uniq
@@ -122,6 +129,30 @@ class PreparedTrace:
     def original_ids(self, dense: np.ndarray) -> np.ndarray:
         """Map dense ids back to the trace's own id values."""
         return dense if self.values is None else self.values[dense]
+
+    def dense_ids(self, ids) -> np.ndarray:
+        """Map original ids (each in the trace or its ``extra_ids``) to dense ids."""
+        ids = np.asarray(ids, dtype=np.int64).ravel()
+        if self.values is None:
+            known = (ids >= 0) & (ids < self.num_ids)
+        else:
+            pos = np.minimum(np.searchsorted(self.values, ids), max(self.num_ids - 1, 0))
+            known = (self.values[pos] == ids) if self.num_ids else np.zeros(ids.size, dtype=bool)
+            ids = pos
+        if not known.all():
+            raise ValueError(f"id {int(np.asarray(ids)[~known][0])} is neither in the trace nor in its extra_ids")
+        return ids
+
+    def per_dense_id(self, values_by_id, name: str) -> np.ndarray:
+        """``values_by_id[original id]`` for every dense id (ids past the array's end get 0)."""
+        arr = np.asarray(values_by_id)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{name} must be a 1-D integer array indexed by id, got {arr.dtype} {arr.shape}")
+        ids = self.original_ids(np.arange(self.num_ids, dtype=np.int64))
+        out = np.zeros(self.num_ids, dtype=np.int64)
+        inside = ids < arr.size
+        out[inside] = arr[ids[inside]]
+        return out
 
     def _compute_next_use(self) -> None:
         # Walk batches backwards: the next use of every id of batch t is the last batch seen so far.
@@ -148,9 +179,13 @@ class PreparedTrace:
         return self._first_use
 
 
-def prepare_trace(trace) -> PreparedTrace:
-    """Return ``trace`` as a :class:`PreparedTrace` (unchanged if it already is one)."""
-    return trace if isinstance(trace, PreparedTrace) else PreparedTrace(trace)
+def prepare_trace(trace, extra_ids=None) -> PreparedTrace:
+    """Return ``trace`` as a :class:`PreparedTrace` (unchanged if it already is one and knows ``extra_ids``)."""
+    if isinstance(trace, PreparedTrace):
+        if extra_ids is not None and len(extra_ids):
+            trace.dense_ids(extra_ids)  # raises if the prepared trace's id space lacks them
+        return trace
+    return PreparedTrace(trace, extra_ids)
 
 
 def _check_capacity(capacity) -> int:
@@ -210,12 +245,21 @@ class _LRU(_Policy):
         return [self.last[ids], ids]
 
 
+def _initial_counts(prep: PreparedTrace, initial_counts) -> np.ndarray:
+    if initial_counts is None:
+        return np.zeros(prep.num_ids, dtype=np.int64)
+    counts = prep.per_dense_id(initial_counts, "initial_counts")
+    if counts.size and counts.min() < 0:
+        raise ValueError(f"initial_counts must be non-negative, found {int(counts.min())}")
+    return counts
+
+
 class _LFU(_Policy):
     name = "lfu"
 
-    def __init__(self, prep, capacity):
+    def __init__(self, prep, capacity, initial_counts=None):
         super().__init__(prep, capacity)
-        self.count = np.zeros(prep.num_ids, dtype=np.int64)
+        self.count = _initial_counts(prep, initial_counts)
 
     def access(self, t, u, cnt, hit):
         super().access(t, u, cnt, hit)
@@ -252,11 +296,11 @@ class _OPT(_Policy):
 class _Lookahead(_OPT):
     name = "lookahead"
 
-    def __init__(self, prep, capacity, horizon: int, depth: int):
+    def __init__(self, prep, capacity, horizon: int, depth: int, initial_counts=None):
         super().__init__(prep, capacity)
         self.horizon = horizon
         self.depth = depth
-        self.count = np.zeros(prep.num_ids, dtype=np.int64)
+        self.count = _initial_counts(prep, initial_counts)
 
     def access(self, t, u, cnt, hit):
         super().access(t, u, cnt, hit)
@@ -278,12 +322,18 @@ class _Lookahead(_OPT):
         return [warm.astype(np.int64), np.where(warm, -nu, 0), self.count[ids], self.last[ids], ids]
 
 
-def _run(prep: PreparedTrace, policy: _Policy) -> SimResult:
-    """Replay ``prep`` through a fully associative cache governed by ``policy``."""
+def _run(prep: PreparedTrace, policy: _Policy, preload=None) -> SimResult:
+    """Replay ``prep`` through a fully associative cache governed by ``policy``, starting with the ``preload``
+    ids resident."""
     cap = policy.capacity
     resident = np.zeros(prep.num_ids, dtype=bool)
     stamp = np.full(prep.num_ids, -1, dtype=np.int64)
     res = np.empty(0, dtype=np.int64)
+    if preload is not None and len(preload):
+        res = np.unique(prep.dense_ids(preload))
+        if res.size > cap:
+            raise ValueError(f"preload has {res.size} distinct ids, more than the capacity of {cap} rows")
+        resident[res] = True
     per_batch = np.zeros(prep.num_batches, dtype=np.int64)
     hits = streamed = 0
     for t in range(prep.num_batches):
@@ -326,34 +376,40 @@ def _run(prep: PreparedTrace, policy: _Policy) -> SimResult:
     )
 
 
-def simulate_lru(trace, capacity: int) -> SimResult:
+def _prepare(trace, preload) -> PreparedTrace:
+    return prepare_trace(trace, None if preload is None else np.asarray(preload, dtype=np.int64).ravel())
+
+
+def simulate_lru(trace, capacity: int, *, preload=None) -> SimResult:
     """Least-recently-used: evict the resident id whose last batch is oldest, ties by lower id."""
-    prep = prepare_trace(trace)
-    return _run(prep, _LRU(prep, _check_capacity(capacity)))
+    prep = _prepare(trace, preload)
+    return _run(prep, _LRU(prep, _check_capacity(capacity)), preload)
 
 
-def simulate_lfu(trace, capacity: int) -> SimResult:
+def simulate_lfu(trace, capacity: int, *, initial_counts=None, preload=None) -> SimResult:
     """LFU with persistent counts: each id's count is its total occurrences so far (surviving
-    evictions); evict the lowest count, ties by older last use, then lower id."""
-    prep = prepare_trace(trace)
-    return _run(prep, _LFU(prep, _check_capacity(capacity)))
+    evictions; ``initial_counts[id]`` before the trace); evict the lowest count, ties by older last use,
+    then lower id."""
+    prep = _prepare(trace, preload)
+    return _run(prep, _LFU(prep, _check_capacity(capacity), initial_counts), preload)
 
 
-def simulate_lfu_reset(trace, capacity: int) -> SimResult:
+def simulate_lfu_reset(trace, capacity: int, *, preload=None) -> SimResult:
     """LFU whose counts restart on admission (ColossalAI's cache): a missed id's count becomes
     its occurrences in the admitting batch, evicted ids forget it; ties as in :func:`simulate_lfu`."""
-    prep = prepare_trace(trace)
-    return _run(prep, _LFUReset(prep, _check_capacity(capacity)))
+    prep = _prepare(trace, preload)
+    return _run(prep, _LFUReset(prep, _check_capacity(capacity)), preload)
 
 
-def simulate_opt(trace, capacity: int) -> SimResult:
+def simulate_opt(trace, capacity: int, *, preload=None) -> SimResult:
     """Belady-OPT at batch granularity: evict ids never used again first, then the ones whose
     next batch is furthest away (ties by lower id).  The floor on rows moved for demand caching."""
-    prep = prepare_trace(trace)
-    return _run(prep, _OPT(prep, _check_capacity(capacity)))
+    prep = _prepare(trace, preload)
+    return _run(prep, _OPT(prep, _check_capacity(capacity)), preload)
 
 
-def simulate_lookahead(trace, capacity: int, horizon: int, depth: int = 1) -> SimResult:
+def simulate_lookahead(trace, capacity: int, horizon: int, depth: int = 1, *, initial_counts=None,
+                       preload=None) -> SimResult:
     """Policy that sees ``horizon`` batches ahead and prefetches ``depth`` batches at once.
 
     At batch ``t`` the rows of batches ``t..t+k-1`` are made resident together (``k <= depth``,
@@ -365,8 +421,9 @@ def simulate_lookahead(trace, capacity: int, horizon: int, depth: int = 1) -> Si
     for name, v in (("horizon", horizon), ("depth", depth)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{name} must be a positive number of batches, got {v!r}")
-    prep = prepare_trace(trace)
-    return _run(prep, _Lookahead(prep, _check_capacity(capacity), int(horizon), int(depth)))
+    prep = _prepare(trace, preload)
+    return _run(prep, _Lookahead(prep, _check_capacity(capacity), int(horizon), int(depth), initial_counts),
+                preload)
 
 
 def murmur3_fmix64(ids) -> np.ndarray:
