@@ -20,6 +20,7 @@ The cache model, shared by every policy:
   and rows moved, but not admitted (``SimResult.streamed`` counts them).  OPT uses the same rule
   and keeps the ids whose next use is soonest.
 
+* ``per_id=True`` also returns each id's rows moved (the sizing tool's sampled-curve estimator needs them).
 * Warm start (the module's `id_freq` + `warmup_ratio`): ``preload`` ids are resident before the first batch
   (never accessed: last use -1), and ``initial_counts`` seed the counts of the policies that keep them (lfu,
   lookahead); preloading moves no row in the trace's batches.
@@ -72,6 +73,8 @@ class SimResult:
     lookups: int
     unique_lookups: int
     rows_moved_per_batch: np.ndarray
+    #: Rows moved of each dense id (``PreparedTrace`` order), when asked for with ``per_id=True``.
+    rows_moved_per_id: np.ndarray | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -105,6 +108,19 @@ class PreparedTrace:
             uniq.append(u)
             counts.append(c.astype(np.int64))
             lookups += b.size
+        self._setup(uniq, counts, lookups, extra_ids)
+
+    @classmethod
+    def from_unique(cls, uniq: Sequence[np.ndarray], counts: Sequence[np.ndarray],
+                    extra_ids: np.ndarray | None = None) -> "PreparedTrace":
+        """From per-batch sorted distinct ids and their occurrence counts (what the constructor computes)."""
+        self = cls.__new__(cls)
+        uniq = [np.asarray(u, dtype=np.int64) for u in uniq]
+        counts = [np.asarray(c, dtype=np.int64) for c in counts]
+        self._setup(uniq, counts, int(sum(int(c.sum()) for c in counts)), extra_ids)
+        return self
+
+    def _setup(self, uniq, counts, lookups, extra_ids) -> None:
         self.lookups = int(lookups)
         self.num_batches = len(uniq)
         self.unique_lookups = int(sum(u.size for u in uniq))
@@ -322,9 +338,9 @@ class _Lookahead(_OPT):
         return [warm.astype(np.int64), np.where(warm, -nu, 0), self.count[ids], self.last[ids], ids]
 
 
-def _run(prep: PreparedTrace, policy: _Policy, preload=None) -> SimResult:
+def _run(prep: PreparedTrace, policy: _Policy, preload=None, per_id: bool = False) -> SimResult:
     """Replay ``prep`` through a fully associative cache governed by ``policy``, starting with the ``preload``
-    ids resident."""
+    ids resident; ``per_id`` also counts each id's rows moved."""
     cap = policy.capacity
     resident = np.zeros(prep.num_ids, dtype=bool)
     stamp = np.full(prep.num_ids, -1, dtype=np.int64)
@@ -335,6 +351,7 @@ def _run(prep: PreparedTrace, policy: _Policy, preload=None) -> SimResult:
             raise ValueError(f"preload has {res.size} distinct ids, more than the capacity of {cap} rows")
         resident[res] = True
     per_batch = np.zeros(prep.num_batches, dtype=np.int64)
+    moved_by_id = np.zeros(prep.num_ids, dtype=np.int64) if per_id else None
     hits = streamed = 0
     for t in range(prep.num_batches):
         u, cnt = prep.uniq[t], prep.counts[t]
@@ -344,6 +361,8 @@ def _run(prep: PreparedTrace, policy: _Policy, preload=None) -> SimResult:
         p = policy.window(t)
         new = p[~resident[p]]
         per_batch[t] = new.size
+        if moved_by_id is not None:
+            moved_by_id[new] += 1  # `new` holds each id once
         if p.size <= cap:
             overflow = res.size + new.size - cap
             if overflow > 0:
@@ -373,6 +392,7 @@ def _run(prep: PreparedTrace, policy: _Policy, preload=None) -> SimResult:
         lookups=prep.lookups,
         unique_lookups=prep.unique_lookups,
         rows_moved_per_batch=per_batch,
+        rows_moved_per_id=moved_by_id,
     )
 
 
@@ -380,36 +400,36 @@ def _prepare(trace, preload) -> PreparedTrace:
     return prepare_trace(trace, None if preload is None else np.asarray(preload, dtype=np.int64).ravel())
 
 
-def simulate_lru(trace, capacity: int, *, preload=None) -> SimResult:
+def simulate_lru(trace, capacity: int, *, preload=None, per_id: bool = False) -> SimResult:
     """Least-recently-used: evict the resident id whose last batch is oldest, ties by lower id."""
     prep = _prepare(trace, preload)
-    return _run(prep, _LRU(prep, _check_capacity(capacity)), preload)
+    return _run(prep, _LRU(prep, _check_capacity(capacity)), preload, per_id)
 
 
-def simulate_lfu(trace, capacity: int, *, initial_counts=None, preload=None) -> SimResult:
+def simulate_lfu(trace, capacity: int, *, initial_counts=None, preload=None, per_id: bool = False) -> SimResult:
     """LFU with persistent counts: each id's count is its total occurrences so far (surviving
     evictions; ``initial_counts[id]`` before the trace); evict the lowest count, ties by older last use,
     then lower id."""
     prep = _prepare(trace, preload)
-    return _run(prep, _LFU(prep, _check_capacity(capacity), initial_counts), preload)
+    return _run(prep, _LFU(prep, _check_capacity(capacity), initial_counts), preload, per_id)
 
 
-def simulate_lfu_reset(trace, capacity: int, *, preload=None) -> SimResult:
+def simulate_lfu_reset(trace, capacity: int, *, preload=None, per_id: bool = False) -> SimResult:
     """LFU whose counts restart on admission (ColossalAI's cache): a missed id's count becomes
     its occurrences in the admitting batch, evicted ids forget it; ties as in :func:`simulate_lfu`."""
     prep = _prepare(trace, preload)
-    return _run(prep, _LFUReset(prep, _check_capacity(capacity)), preload)
+    return _run(prep, _LFUReset(prep, _check_capacity(capacity)), preload, per_id)
 
 
-def simulate_opt(trace, capacity: int, *, preload=None) -> SimResult:
+def simulate_opt(trace, capacity: int, *, preload=None, per_id: bool = False) -> SimResult:
     """Belady-OPT at batch granularity: evict ids never used again first, then the ones whose
     next batch is furthest away (ties by lower id).  The floor on rows moved for demand caching."""
     prep = _prepare(trace, preload)
-    return _run(prep, _OPT(prep, _check_capacity(capacity)), preload)
+    return _run(prep, _OPT(prep, _check_capacity(capacity)), preload, per_id)
 
 
 def simulate_lookahead(trace, capacity: int, horizon: int, depth: int = 1, *, initial_counts=None,
-                       preload=None) -> SimResult:
+                       preload=None, per_id: bool = False) -> SimResult:
     """Policy that sees ``horizon`` batches ahead and prefetches ``depth`` batches at once.
 
     At batch ``t`` the rows of batches ``t..t+k-1`` are made resident together (``k <= depth``,
@@ -423,7 +443,7 @@ def simulate_lookahead(trace, capacity: int, horizon: int, depth: int = 1, *, in
             raise ValueError(f"{name} must be a positive number of batches, got {v!r}")
     prep = _prepare(trace, preload)
     return _run(prep, _Lookahead(prep, _check_capacity(capacity), int(horizon), int(depth), initial_counts),
-                preload)
+                preload, per_id)
 
 
 def murmur3_fmix64(ids) -> np.ndarray:
