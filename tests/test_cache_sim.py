@@ -24,11 +24,13 @@ def random_trace(rng, num_ids, num_batches, max_batch):
 # ---------------------------------------------------------------- pure-Python references
 
 
-def ref_full(trace, capacity, policy, horizon=1, depth=1, initial_counts=None, preload=()):
+def ref_full(trace, capacity, policy, horizon=1, depth=1, initial_counts=None, preload=(), prefetch=False,
+             overlap=False):
     """One id at a time, with sets and dicts: the rules as the cache_sim docstrings state them."""
     batches = [Counter(int(x) for x in b) for b in trace]
     T = len(batches)
     cache, last, count, rcount = {int(i) for i in preload}, {}, Counter(), {}
+    window_end, pending = 0, None
     if initial_counts is not None:
         count.update({i: int(c) for i, c in enumerate(initial_counts)})
     moved, hits, streamed = [], 0, 0
@@ -40,7 +42,24 @@ def ref_full(trace, capacity, policy, horizon=1, depth=1, initial_counts=None, p
             last[i] = t
             count[i] += c
         P = set(U)
-        if policy == "lookahead":
+        if policy == "lookahead" and prefetch:  # cachedemb.prefetch's windows
+            if t >= window_end:
+                remaining = T - t
+                if pending is not None and pending[0] == t:
+                    k, union = pending[1], pending[2]
+                else:
+                    k = min(depth, remaining)
+                    while k >= 1 and len(set().union(*batches[t:t + k])) > capacity:
+                        k //= 2
+                    union = set().union(*batches[t:t + k]) if k else None
+                pending, window_end = None, t + max(k, 1)
+                if k:
+                    P = set(union)
+                    nxt = min(depth, min(horizon, remaining) - k)
+                    ahead = set().union(*batches[window_end:window_end + nxt]) if nxt >= 1 else set()
+                    if overlap and nxt >= 1 and len(P | ahead) <= capacity:
+                        pending, P = (window_end, nxt, ahead), P | ahead
+        elif policy == "lookahead":
             for j in range(1, depth):
                 if t + j >= T or len(P | set(batches[t + j])) > capacity:
                     break
@@ -180,6 +199,22 @@ def test_lookahead_matches_reference():
             check(r, ref_full(trace, cap, "lookahead", horizon, depth))
             assert r.misses == r.unique_lookups - r.hits
             assert r.misses <= r.rows_moved
+
+
+def test_prefetch_windows_match_reference():
+    """cachedemb.prefetch's windows: halved until they fit, kept until they end, the next one admitted early
+    with overlap when both fit and the horizon has read it."""
+    for seed in range(120):
+        rng = np.random.default_rng(700 + seed)
+        trace = random_trace(rng, int(rng.integers(3, 25)), int(rng.integers(1, 16)), int(rng.integers(1, 9)))
+        prep = cache_sim.prepare_trace(trace)
+        for cap, (horizon, depth), overlap in itertools.product((1, 3, 6, 12), ((1, 1), (2, 2), (4, 2), (8, 4)),
+                                                                (False, True)):
+            r = cache_sim.simulate_lookahead(prep, cap, horizon=horizon, depth=depth, prefetch=True, overlap=overlap)
+            check(r, ref_full(trace, cap, "lookahead", horizon, depth, prefetch=True, overlap=overlap))
+            if depth == 1 and not overlap:
+                slide = cache_sim.simulate_lookahead(prep, cap, horizon=horizon, depth=1)
+                assert slide.rows_moved_per_batch.tolist() == r.rows_moved_per_batch.tolist()
 
 
 def test_warm_start_matches_reference():

@@ -1,8 +1,8 @@
 """Miss-ratio curves: rows moved host->device per batch against cache rows, for one table and one policy.
 
 The cache model is the simulators' (`cachedemb.sizing.simulators`): batch-granular, a batch's distinct ids
-resident together, a miss moves one row; the look-ahead policy also moves the rows of the next batches it
-admits. The miss ratio is rows moved ÷ per-batch distinct ids (1 - the module's `hit_rate`).
+resident together, a miss moves one row; the look-ahead policy replays `cachedemb.prefetch`'s windows (the
+union of up to ``depth`` batches admitted at each window start, ``overlap`` as on CUDA). The miss ratio is rows moved ÷ per-batch distinct ids (1 - the module's `hit_rate`).
 
 How each curve is computed:
 
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from cachedemb.sizing import simulators
-from cachedemb.sizing.shards import TableTrace, spatial_hash, table_trace
+from cachedemb.sizing.shards import TableTrace, table_trace
 from cachedemb.sizing.stack_distance import lru_stack_distances
 
 POLICIES = ("lfu", "lru", "lookahead", "opt")
@@ -46,7 +46,7 @@ class WarmStart:
                              f"shape {counts.shape}")
         if not 0 <= float(self.ratio) <= 1:
             raise ValueError(f"warmup ratio must be in [0, 1], got {self.ratio!r}")
-        object.__setattr__(self, "counts", counts.astype(np.int64, copy=False))
+        object.__setattr__(self, "counts", np.array(counts, dtype=np.int64))  # owned and writable (torch.topk)
 
     def hottest(self, k: int) -> np.ndarray:
         """The k ids the module preloads (ascending)."""
@@ -130,7 +130,7 @@ def _check_sizes(sizes) -> np.ndarray:
     return np.unique(arr.astype(np.int64))
 
 
-def _check_policy(policy: str, horizon, depth) -> dict:
+def _check_policy(policy: str, horizon, depth, overlap) -> dict:
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r}: expected one of {POLICIES}")
     if policy != "lookahead":
@@ -138,7 +138,9 @@ def _check_policy(policy: str, horizon, depth) -> dict:
     for name, v in (("horizon", horizon), ("depth", depth)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{name} must be a positive number of batches, got {v!r}")
-    return {"horizon": int(horizon), "depth": int(depth)}
+    if horizon < depth:
+        raise ValueError(f"horizon must be >= depth={depth} (cachedemb.prefetch reads the window ahead), got {horizon}")
+    return {"horizon": int(horizon), "depth": int(depth), "overlap": bool(overlap)}
 
 
 def _estimate(trace: TableTrace, batches_of_id: np.ndarray, moved_of_id: np.ndarray) -> float:
@@ -188,8 +190,7 @@ def _ratios(trace: TableTrace, policy: str, sizes: np.ndarray, options: dict, wa
         for c, s in zip(sizes[live], scaled[live]):
             ids = warm.hottest(warm.preload_rows(int(c)))
             if not trace.exact:
-                h = spatial_hash(ids, trace.salt)
-                ids = ids[(h >= trace.lo) & (h < trace.hi)]
+                ids = ids[trace.keeps(ids)]
             preloads[int(c)] = ids[np.argsort(-warm.counts[ids], kind="stable")][: int(s)]
         extra = np.unique(np.concatenate([np.empty(0, dtype=np.int64)] + list(preloads.values())))
     prep = trace.prepared(extra)
@@ -197,7 +198,7 @@ def _ratios(trace: TableTrace, policy: str, sizes: np.ndarray, options: dict, wa
         return out, "simulation"
     batches_of_id = np.bincount(np.concatenate(prep.uniq), minlength=prep.num_ids)
     for i in live:
-        kw = dict(options)
+        kw = dict(options, prefetch=True) if policy == "lookahead" else dict(options)
         if warm is not None:
             kw["preload"] = preloads[int(sizes[i])]
             if policy in ("lfu", "lookahead"):
@@ -208,11 +209,11 @@ def _ratios(trace: TableTrace, policy: str, sizes: np.ndarray, options: dict, wa
 
 
 def miss_ratio_curve(trace, policy: str = "lfu", sizes=None, *, horizon: int = 64, depth: int = 4,
-                     num_rows: int | None = None, warm_start: WarmStart | None = None, sample_rate: float = 1.0,
+                     overlap: bool = False, num_rows: int | None = None, warm_start: WarmStart | None = None, sample_rate: float = 1.0,
                      max_unique: int | None = None, salt: int = 0, error_bands: int = 4,
                      points: int = 32) -> MissRatioCurve:
-    """The miss-ratio curve of one table's ``trace`` under ``policy`` (``"lfu"``, ``"lru"``, ``"lookahead"``
-    with ``horizon``/``depth`` as `cachedemb.prefetch` takes them, or ``"opt"``, Belady's floor).
+    """The miss-ratio curve of one table's ``trace`` under ``policy`` (``"lfu"``, ``"lru"``, ``"lookahead"``:
+    `cachedemb.prefetch`'s windows with its ``horizon``, ``depth`` and ``overlap``, or ``"opt"``, Belady's floor).
 
     ``trace``: batches of ids (1-D arrays, or a 2-D array one row per batch) or a `TableTrace` (possibly
     sampled while it was read). ``sample_rate`` < 1 or ``max_unique`` (a bound on the kept per-batch
@@ -221,7 +222,7 @@ def miss_ratio_curve(trace, policy: str = "lfu", sizes=None, *, horizon: int = 6
     `default_sizes` with ``points`` sizes up to the distinct ids, capped at ``num_rows``). ``warm_start``: the
     module's `id_freq` warm start (`WarmStart`).
     """
-    options = _check_policy(policy, horizon, depth)
+    options = _check_policy(policy, horizon, depth, overlap)
     if warm_start is not None and not isinstance(warm_start, WarmStart):
         raise ValueError(f"warm_start must be a cachedemb.sizing.WarmStart or None, got {type(warm_start).__name__}")
     if isinstance(error_bands, bool) or not isinstance(error_bands, (int, np.integer)) or error_bands < 0 \

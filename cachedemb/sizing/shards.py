@@ -57,6 +57,7 @@ class TableTrace:
     salt: int = 0
     lo: int = 0
     hi: int = _SCALE
+    starts: np.ndarray | None = None  # merged tables (`merge`): each table's first id; ids hash as table-local
 
     @property
     def rate(self) -> float:
@@ -79,6 +80,17 @@ class TableTrace:
     def kept_unique_lookups(self) -> int:
         return int(sum(u.size for u in self.uniq))
 
+    def keeps(self, ids) -> np.ndarray:
+        """Which of ``ids`` the sample's band holds (every access of them is in the trace)."""
+        h = self._hash(ids)
+        return (h >= self.lo) & (h < self.hi)
+
+    def _hash(self, ids) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).ravel()
+        if self.starts is not None:
+            ids = ids - self.starts[np.searchsorted(self.starts, ids, side="right") - 1]
+        return spatial_hash(ids, self.salt)
+
     def prepared(self, extra_ids=None) -> PreparedTrace:
         """The kept ids as the simulators take them."""
         return PreparedTrace.from_unique(self.uniq, self.counts, extra_ids)
@@ -89,10 +101,10 @@ class TableTrace:
             raise ValueError(f"band [{lo}, {hi}) is not inside this trace's [{self.lo}, {self.hi})")
         uniq, counts = [], []
         for u, c in zip(self.uniq, self.counts):
-            h = spatial_hash(u, self.salt)
+            h = self._hash(u)
             keep = (h >= lo) & (h < hi)
             uniq.append(u[keep]), counts.append(c[keep])
-        return TableTrace(uniq, counts, self.unique_per_batch, self.lookups, self.salt, lo, hi)
+        return TableTrace(uniq, counts, self.unique_per_batch, self.lookups, self.salt, lo, hi, self.starts)
 
     def split_bands(self, count: int) -> list["TableTrace"]:
         """``count`` disjoint sub-samples of about equal rate covering this trace's band."""
@@ -102,6 +114,26 @@ class TableTrace:
     def kept_ids(self) -> np.ndarray:
         """The distinct kept ids."""
         return np.unique(np.concatenate(self.uniq)) if self.uniq else np.empty(0, dtype=np.int64)
+
+
+def merge(traces: list[TableTrace], starts) -> TableTrace:
+    """Tables that share one cache as a single trace: table k's ids shifted by ``starts[k]`` (ascending, as a
+    collection group lays its tables out), every table sampled at the lowest of their rates (each by its own
+    table-local ids, so the merged sample is the union of the tables' samples at that rate)."""
+    starts = np.asarray(starts, dtype=np.int64)
+    if len(traces) != starts.size or not len(traces):
+        raise ValueError(f"one start per trace: {len(traces)} traces, {starts.size} starts")
+    if np.any(np.diff(starts) <= 0):
+        raise ValueError(f"table starts must ascend, got {starts.tolist()}")
+    if len({t.num_batches for t in traces}) > 1 or len({t.salt for t in traces}) > 1 or \
+            any(t.lo != 0 or t.starts is not None for t in traces):
+        raise ValueError("merged traces must be single-table traces of the same batches and salt")
+    hi = min(t.hi for t in traces)
+    traces = [t if t.hi == hi else t.band(0, hi) for t in traces]
+    uniq = [np.concatenate([t.uniq[j] + s for t, s in zip(traces, starts)]) for j in range(traces[0].num_batches)]
+    counts = [np.concatenate([t.counts[j] for t in traces]) for j in range(traces[0].num_batches)]
+    return TableTrace(uniq, counts, sum(t.unique_per_batch for t in traces), sum(t.lookups for t in traces),
+                      traces[0].salt, 0, hi, starts)
 
 
 class TraceBuilder:
@@ -167,4 +199,4 @@ def table_trace(batches, rate: float = 1.0, max_unique: int | None = None, salt:
     return builder.build()
 
 
-__all__ = ["HASH_BITS", "TableTrace", "TraceBuilder", "spatial_hash", "table_trace", "threshold_of"]
+__all__ = ["HASH_BITS", "TableTrace", "TraceBuilder", "merge", "spatial_hash", "table_trace", "threshold_of"]

@@ -31,6 +31,7 @@ Every simulator loops over batches in Python and is vectorized over ids inside a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -312,17 +313,26 @@ class _OPT(_Policy):
 class _Lookahead(_OPT):
     name = "lookahead"
 
-    def __init__(self, prep, capacity, horizon: int, depth: int, initial_counts=None):
+    def __init__(self, prep, capacity, horizon: int, depth: int, initial_counts=None, prefetch: bool = False,
+                 overlap: bool = False):
         super().__init__(prep, capacity)
         self.horizon = horizon
         self.depth = depth
         self.count = _initial_counts(prep, initial_counts)
+        self.prefetch, self.overlap = prefetch, overlap
+        self.window_end = 0
+        self.pending = None  # (start, count, union) of a window admitted during the previous one (overlap)
 
     def access(self, t, u, cnt, hit):
         super().access(t, u, cnt, hit)
         self.count[u] += cnt
 
+    def _union(self, t, count):
+        return functools.reduce(np.union1d, self.prep.uniq[t:t + count])
+
     def window(self, t):
+        if self.prefetch:
+            return self._prefetch_window(t)
         uniq = self.prep.uniq
         p = uniq[t]
         for j in range(1, min(self.depth, len(uniq) - t)):
@@ -331,6 +341,34 @@ class _Lookahead(_OPT):
                 break
             p = q
         return p
+
+    def _prefetch_window(self, t):
+        """cachedemb.prefetch's windows: at a window start the union of up to ``depth`` batches (halved until it
+        fits; none fits: the batch alone, oversized), kept until the window ends; with ``overlap`` the next
+        whole window too, admitted now when both fit together."""
+        if t < self.window_end:
+            return self.prep.uniq[t]  # inside a window: its rows are resident
+        remaining = len(self.prep.uniq) - t
+        if self.pending is not None and self.pending[0] == t:
+            _, count, union = self.pending
+        else:
+            count = min(self.depth, remaining)
+            union = self._union(t, count)
+            while count >= 1 and union.size > self.capacity:
+                count //= 2
+                union = self._union(t, count) if count else None
+        self.pending = None
+        self.window_end = t + max(count, 1)
+        if not count:
+            return self.prep.uniq[t]
+        nxt = min(self.depth, min(self.horizon, remaining) - count)  # batches read ahead past this window
+        if self.overlap and nxt >= 1:
+            nxt_union = self._union(self.window_end, nxt)
+            both = np.union1d(union, nxt_union)
+            if both.size <= self.capacity:
+                self.pending = (self.window_end, nxt, nxt_union)
+                return both
+        return union
 
     def keys(self, ids, t):
         nu = self.next_use[ids]
@@ -429,7 +467,8 @@ def simulate_opt(trace, capacity: int, *, preload=None, per_id: bool = False) ->
 
 
 def simulate_lookahead(trace, capacity: int, horizon: int, depth: int = 1, *, initial_counts=None,
-                       preload=None, per_id: bool = False) -> SimResult:
+                       preload=None, per_id: bool = False, prefetch: bool = False,
+                       overlap: bool = False) -> SimResult:
     """Policy that sees ``horizon`` batches ahead and prefetches ``depth`` batches at once.
 
     At batch ``t`` the rows of batches ``t..t+k-1`` are made resident together (``k <= depth``,
@@ -437,13 +476,20 @@ def simulate_lookahead(trace, capacity: int, horizon: int, depth: int = 1, *, in
     Among other resident rows, those unused in batches ``t..t+horizon-1`` go first, least
     frequently used first (counts and ties as in :func:`simulate_lfu`); then the rows whose next
     use is furthest away.  Prefetched rows count as rows moved in the batch that loads them.
+
+    ``prefetch=True`` replays `cachedemb.prefetch`'s windows instead of a window sliding every batch: at a
+    window start ``s`` the union of batches ``s..s+k-1`` is admitted (``k`` = ``depth`` halved until the union
+    fits; 0: batch ``s`` alone, oversized) and protected until ``s+k``, where the next window starts (1 for k =
+    0); ``overlap=True`` (its CUDA default) also admits the next window at ``s`` (the next ``depth`` batches, or
+    fewer when the ``horizon`` read ahead ends sooner) when both fit together.
+    With ``depth=1`` both modes are the same.
     """
     for name, v in (("horizon", horizon), ("depth", depth)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{name} must be a positive number of batches, got {v!r}")
     prep = _prepare(trace, preload)
-    return _run(prep, _Lookahead(prep, _check_capacity(capacity), int(horizon), int(depth), initial_counts),
-                preload, per_id)
+    return _run(prep, _Lookahead(prep, _check_capacity(capacity), int(horizon), int(depth), initial_counts,
+                                 bool(prefetch), bool(overlap)), preload, per_id)
 
 
 def murmur3_fmix64(ids) -> np.ndarray:

@@ -8,7 +8,8 @@ How: the lower convex hull of each table's (cost, value) points gives the proble
 greedily (hull segments by bytes saved per byte spent, the last one fractional): the classic marginal-utility
 split of cache partitioning (Stone et al.; Talus, Beckmann & Sanchez, HPCA '15), and a lower bound no split can
 beat. Branch and bound over the tables with that bound then finds the best split over the curves' own points
-(exactly optimal unless the node limit is hit; `Split.optimal` says which, `lower_bound` how far it can be off).
+(optimal to a relative 1e-6 unless the node limit is hit; `Split.optimal` says which, `lower_bound` how far it
+can be off).
 Between hull vertices a curve can lie above its hull, so the split never relies on a fractional segment: every
 chosen size is a point where the curve was measured.
 """
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 _EPS = 1e-9
+#: Relative gap under which a branch cannot improve on the best split found: optimality is proven to this.
+REL_TOL = 1e-6
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,6 @@ def split_budget(tables: list[TableCost], budget_bytes: int, max_nodes: int = 20
     # Branch and bound: tables in `order`, each table's options from the most rows down.
     nodes = 0
     stack_pick = [0] * len(tables)
-    tol = _EPS * max(1.0, abs(best_value))
 
     def search(k: int, budget_left: int, value: float) -> None:
         nonlocal nodes, best_value, best_pick
@@ -186,19 +188,24 @@ def split_budget(tables: list[TableCost], budget_bytes: int, max_nodes: int = 20
             return
         nodes += 1
         if k == len(order):
-            if value < best_value - tol:
+            if value < best_value:
                 best_value, best_pick = value, list(stack_pick)
-            return
-        if value + relax.bound(k, budget_left) >= best_value - tol:
             return
         i = order[k]
         _, costs, values = options[i]
         rest = int(relax.base_cost[k + 1])
-        for j in range(costs.size - 1, -1, -1):
-            if costs[j] + rest > budget_left:
-                continue
+        # children best-first by their own bound, each pruned before it costs a node
+        children = []
+        for j in range(costs.size):
+            left = budget_left - int(costs[j])
+            if left >= rest:
+                children.append((value + float(values[j]) + relax.bound(k + 1, left), j, left))
+        children.sort()
+        for child_bound, j, left in children:
+            if child_bound >= best_value - REL_TOL * abs(best_value):
+                break
             stack_pick[i] = j
-            search(k + 1, budget_left - int(costs[j]), value + float(values[j]))
+            search(k + 1, left, value + float(values[j]))
 
     search(0, budget, 0.0)
     rows = {tables[i].name: int(options[i][0][best_pick[i]]) for i in range(len(tables))}
