@@ -48,7 +48,7 @@ def parse_args(argv):
     p.add_argument("--sample-rate", type=float, default=1.0, help="SHARDS: keep this fraction of the id space")
     p.add_argument("--max-unique", default="auto",
                    help="SHARDS: sample a table whose kept per-batch distinct ids pass this (auto: 2^20; none)")
-    p.add_argument("--points", type=int, default=32, help="curve sizes per table")
+    p.add_argument("--points", type=int, default=24, help="curve sizes per table")
     p.add_argument("--json", default=None, help="write the plan and every curve here ('-': stdout)")
     p.add_argument("--png", default=None, help="draw the curves and the chosen sizes here")
     args = p.parse_args(argv)

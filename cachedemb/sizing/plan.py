@@ -367,7 +367,7 @@ def _costs(specs, curves, top, floor=None, cost="device") -> list[TableCost]:
 def plan(source, budget_bytes: int, tables=None, *, optimizer=None, policy: str = "lfu", horizon: int = 64,
          depth: int = 4, overlap: bool = False, compare: Sequence[str] = (), groups="collection", id_freq="auto",
          warmup_ratio: float = 0.7, host_budget_bytes: int | None = None, embedding_dim: int | None = None,
-         points: int = 32, refine: int = 8, error_bands: int = 4, batch_size: int | None = None,
+         points: int = 24, refine: int = 6, error_bands: int = 4, batch_size: int | None = None,
          limit_batches: int | None = None, shuffle: bool = True, seed: int = 0, epoch: int = 0, ids=None,
          sample_rate: float = 1.0, max_unique: int | str | None = "auto", salt: int = 0) -> SizingPlan:
     """Cache rows per table for ``budget_bytes`` of device memory, from the id traces of ``source`` (see
