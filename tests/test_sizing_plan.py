@@ -54,6 +54,8 @@ def test_plan_respects_the_budget_and_maps_groups(three_tables, three_plan):
     assert c.pcie_bytes_per_step == pytest.approx(c.rows_per_batch * (16 * 4 + 4 + 8))
     assert p.pcie_bytes_per_step == pytest.approx(sum(g.pcie_bytes_per_step for g in p.groups))
     assert set(c.curves) == {"lfu", "opt"}
+    for name, t in traces.items():  # each cache holds at least its largest batch's distinct ids
+        assert p.cache_rows[name] >= max(np.unique(b).size for b in t)
     assert np.all(c.curves["opt"].rows_moved <= c.curves["lfu"].rows_moved)  # Belady is the floor
 
 
@@ -181,23 +183,23 @@ def test_cli_prints_writes_json_and_draws(data_dir, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     from cachedemb.sizing.__main__ import main
 
-    report = main(["--data", str(data_dir), "--budget", "64KiB", "--batch-size", "256", "--points", "6",
+    report = main(["--data", str(data_dir), "--budget", "512KiB", "--batch-size", "256", "--points", "6",
                    "--limit-batches", "6",
                    "--compare", "lru,opt", "--json", str(tmp_path / "plan.json"), "--png", str(tmp_path / "c.png")])
     out = capsys.readouterr().out
     assert "t_C1" in out and "predicted: hit rate" in out and "shared caches" in out
     saved = json.loads((tmp_path / "plan.json").read_text())
-    assert saved["budget_bytes"] == 65536 and saved["budget_used"] <= 65536 == report["budget_bytes"]
+    assert saved["budget_bytes"] == 524288 and saved["budget_used"] <= 524288 == report["budget_bytes"]
     assert len(saved["tables"]) == 26 and set(saved["tables"][0]["curves"]) == {"lfu", "lru", "opt"}
     assert saved["options"]["warmup_ratio"] == 0.7  # the recipe's warm start, from the data's train counts
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    la = main(["--data", str(data_dir), "--budget", "64KiB", "--batch-size", "256", "--points", "4", "--compare", "",
+    la = main(["--data", str(data_dir), "--budget", "512KiB", "--batch-size", "256", "--points", "4", "--compare", "",
                "--limit-batches", "6",
                "--policy", "lookahead", "--depth", "2", "--horizon", "4", "--json", "-"])
     assert la["policy"] == "lookahead" and la["options"] == {"horizon": 4, "depth": 2, "overlap": False,
                                                              "warmup_ratio": 0.7}
     with pytest.raises(SystemExit):
-        main(["--data", str(data_dir), "--budget", "64KiB", "--compare", "fifo"])
+        main(["--data", str(data_dir), "--budget", "512KiB", "--compare", "fifo"])
 
 
 def test_parse_bytes():
@@ -210,8 +212,12 @@ def test_parse_bytes():
 
 def test_plan_errors(three_tables):
     traces, tables = three_tables
-    with pytest.raises(ValueError, match="budget of 100 bytes is below"):
+    with pytest.raises(ValueError, match="budget of 100 bytes is below.*pass min_rows=1"):
         plan(traces, 100, tables, points=4, refine=0)
+    small = plan(traces, 30_000, tables, points=6, refine=0, min_rows=1)  # under a batch per table: allowed
+    assert small.budget_used <= 30_000 and min(small.cache_rows.values()) >= 1
+    with pytest.raises(ValueError, match="min_rows must be"):
+        plan(traces, 10**6, tables, min_rows=0, points=4)
     with pytest.raises(ValueError, match="policy 'fifo'"):
         plan(traces, 10**6, tables, policy="fifo")
     with pytest.raises(ValueError, match=r"no trace for table\(s\) \['d'\]"):

@@ -45,6 +45,8 @@ def parse_args(argv):
     p.add_argument("--per-table-caches", action="store_true",
                    help="one cache per table (standalone modules) instead of the collection's shared groups")
     p.add_argument("--host-budget", default=None, help="host bytes for host caches in front of a file tier")
+    p.add_argument("--min-rows", default="batch",
+                   help="least rows per table's cache: 'batch' (its largest batch's distinct ids) or a number")
     p.add_argument("--sample-rate", type=float, default=1.0, help="SHARDS: keep this fraction of the id space")
     p.add_argument("--max-unique", default="auto",
                    help="SHARDS: sample a table whose kept per-batch distinct ids pass this (auto: 2^20; none)")
@@ -58,6 +60,7 @@ def parse_args(argv):
     bad = [c for c in args.compare if c not in POLICIES]
     if bad:
         p.error(f"--compare: unknown policies {bad}; expected some of {POLICIES}")
+    args.min_rows = "batch" if args.min_rows == "batch" else int(args.min_rows)
     mu = args.max_unique.lower()
     args.max_unique = "auto" if mu == "auto" else None if mu == "none" else int(mu)
     return args
@@ -69,7 +72,8 @@ def main(argv=None) -> dict:
                   horizon=args.horizon, depth=args.depth, overlap=args.overlap, compare=args.compare,
                   groups=None if args.per_table_caches else "collection",
                   id_freq=None if args.no_warm_start else "auto", warmup_ratio=args.warmup_ratio,
-                  host_budget_bytes=args.host_budget_bytes, embedding_dim=args.embedding_dim, points=args.points,
+                  host_budget_bytes=args.host_budget_bytes, min_rows=args.min_rows, embedding_dim=args.embedding_dim,
+                  points=args.points,
                   batch_size=args.batch_size, limit_batches=args.limit_batches, seed=args.seed, epoch=args.epoch,
                   sample_rate=args.sample_rate, max_unique=args.max_unique)
     report = result.to_dict()

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from cachedemb.sizing import readers
-from cachedemb.sizing.curves import POLICIES, MissRatioCurve, WarmStart, miss_ratio_curve
+from cachedemb.sizing.curves import POLICIES, MissRatioCurve, WarmStart, default_sizes, miss_ratio_curve
 from cachedemb.sizing.shards import TableTrace, merge
 from cachedemb.sizing.split import Split, TableCost, split_budget
 
@@ -351,12 +351,21 @@ def _merge_curves(a: MissRatioCurve, b: MissRatioCurve) -> MissRatioCurve:
                           a.sample_rate, stderr, a.method, dict(a.options))
 
 
-def _costs(specs, curves, top, floor=None, cost="device") -> list[TableCost]:
+def _floor(min_rows, trace: TableTrace, top: int) -> int:
+    """The least cache rows a table's split may choose: one batch's distinct ids ("batch") or ``min_rows``."""
+    if min_rows == "batch":
+        return max(1, min(int(trace.unique_per_batch.max(initial=1)), top))
+    if isinstance(min_rows, bool) or not isinstance(min_rows, (int, np.integer)) or min_rows < 1:
+        raise ValueError(f"min_rows must be 'batch' or a positive int, got {min_rows!r}")
+    return max(1, min(int(min_rows), top))
+
+
+def _costs(specs, curves, top, floor, cost="device") -> list[TableCost]:
     out = []
     for i, (s, c) in enumerate(zip(specs, curves)):
-        keep = (c.sizes >= (1 if floor is None else floor[i])) & (c.sizes <= top[i])
+        keep = (c.sizes >= floor[i]) & (c.sizes <= top[i])
         sizes = c.sizes[keep]
-        if floor is not None and (sizes.size == 0 or sizes[0] != floor[i]):
+        if sizes.size == 0 or sizes[0] != floor[i]:
             sizes = np.concatenate([[floor[i]], sizes])
         moved = np.asarray(c.rows_per_batch_at(sizes)) * s.transfer_bytes
         row_cost = s.device_row_bytes if cost == "device" else s.host_row_bytes
@@ -366,7 +375,8 @@ def _costs(specs, curves, top, floor=None, cost="device") -> list[TableCost]:
 
 def plan(source, budget_bytes: int, tables=None, *, optimizer=None, policy: str = "lfu", horizon: int = 64,
          depth: int = 4, overlap: bool = False, compare: Sequence[str] = (), groups="collection", id_freq="auto",
-         warmup_ratio: float = 0.7, host_budget_bytes: int | None = None, embedding_dim: int | None = None,
+         warmup_ratio: float = 0.7, host_budget_bytes: int | None = None, min_rows: int | str = "batch",
+         embedding_dim: int | None = None,
          points: int = 24, refine: int = 6, error_bands: int = 4, batch_size: int | None = None,
          limit_batches: int | None = None, shuffle: bool = True, seed: int = 0, epoch: int = 0, ids=None,
          sample_rate: float = 1.0, max_unique: int | str | None = "auto", salt: int = 0) -> SizingPlan:
@@ -381,8 +391,11 @@ def plan(source, budget_bytes: int, tables=None, *, optimizer=None, policy: str 
     (tables of one (dim, pooling, dtype) share a cache, as CachedEmbeddingBagCollection builds them), None (a
     cache per table) or lists of table names. ``id_freq``: {table: train counts} the module warm-starts from
     (``"auto"``: a data directory's, else none), preloading ``warmup_ratio`` of each cache.
-    ``host_budget_bytes``: also size host caches in front of a file tier. ``points`` sizes per curve, ``refine``
-    more around each chosen size; sampling: ``sample_rate``, ``max_unique``, ``salt``, ``error_bands``.
+    ``host_budget_bytes``: also size host caches in front of a file tier. ``min_rows``: the least rows a table's
+    cache may get, ``"batch"`` (default) its largest batch's distinct ids (below that every batch overflows the
+    cache: the module then serves rows from the host, which the simulators' streaming model predicts within ~25%
+    only), or a number. ``points`` sizes per curve, ``refine`` more around each chosen size; sampling:
+    ``sample_rate``, ``max_unique``, ``salt``, ``error_bands``.
     """
     for p in (policy, *compare):
         if p not in POLICIES:
@@ -403,14 +416,27 @@ def plan(source, budget_bytes: int, tables=None, *, optimizer=None, policy: str 
             raise ValueError(f"id_freq names unknown tables {sorted(unknown)}")
         warm = {name: WarmStart(np.asarray(c), warmup_ratio) for name, c in id_freq.items() if c is not None}
     kw = {"horizon": horizon, "depth": depth, "overlap": overlap, "error_bands": error_bands}
-    curves, top = [], []
+    curves, top, floors = [], [], []
     for s in specs:
-        cap = s.num_embeddings
-        first = miss_ratio_curve(traces[s.name], policy, None, num_rows=cap, warm_start=warm.get(s.name),
-                                 points=points, **kw)
-        curves.append(first)
-        top.append(min(first.sizes[-1], cap) if cap else first.sizes[-1])
-    split = split_budget(_costs(specs, curves, top), int(budget_bytes))
+        t, cap = traces[s.name], s.num_embeddings
+        kept = t.kept_ids()
+        distinct = kept.size if t.exact else int(round(kept.size / t.rate))
+        if cap is not None and kept.size and int(kept.max()) >= cap:
+            raise ValueError(f"table {s.name!r}: id {int(kept.max())} is outside its {cap} rows")
+        sizes = default_sizes(distinct, points, cap)
+        floor = _floor(min_rows, t, int(sizes[-1]))
+        curves.append(miss_ratio_curve(t, policy, np.union1d(sizes, [floor]), num_rows=cap,
+                                       warm_start=warm.get(s.name), **kw))
+        top.append(int(sizes[-1]))
+        floors.append(floor)
+    try:
+        split = split_budget(_costs(specs, curves, top, floors), int(budget_bytes))
+    except ValueError as e:
+        if "below the smallest caches" not in str(e) or min_rows != "batch":
+            raise
+        raise ValueError(f"{e}; min_rows='batch' keeps each cache at least one batch's distinct ids (smaller caches "
+                         "stream every batch; the module serves those rows from the host): raise the budget or pass "
+                         "min_rows=1") from None
     if refine:
         for i, s in enumerate(specs):
             c, chosen = curves[i], split.rows[s.name]
@@ -422,7 +448,7 @@ def plan(source, budget_bytes: int, tables=None, *, optimizer=None, policy: str 
                 more = miss_ratio_curve(traces[s.name], policy, extra, num_rows=s.num_embeddings,
                                         warm_start=warm.get(s.name), **kw)
                 curves[i] = _merge_curves(c, more)
-        split = split_budget(_costs(specs, curves, top), int(budget_bytes))
+        split = split_budget(_costs(specs, curves, top, floors), int(budget_bytes))
     plans = []
     for i, s in enumerate(specs):
         per_policy = {policy: curves[i]}
