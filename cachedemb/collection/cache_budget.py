@@ -50,7 +50,7 @@ def table_cache_rows(collection, cache_rows, budget_bytes, sample, sizing_option
     if collection._freqs is not None:
         id_freq = {t.name: f.numpy() for t, f in zip(collection.tables, collection._freqs) if f is not None}
     groups = [[collection.tables[i].name for i in g.tables] for g in collection._groups]
-    plan = sizing.plan(traces, sizing.parse_bytes(budget_bytes), collection.tables,
+    plan = sizing.plan(traces, budget_bytes, collection.tables,
                        optimizer=collection._bag_kwargs["optimizer"], policy=policy, groups=groups, id_freq=id_freq,
                        warmup_ratio=collection._bag_kwargs["warmup_ratio"], **options)
     return plan.cache_rows, plan

@@ -11,7 +11,7 @@ How each curve is computed:
   exactly what the simulator gives there (between points the curve is drawn straight).
 - A sampled trace (``sample_rate`` < 1, or a `TableTrace` read with sampling): SHARDS. A cache of C rows is
   simulated as one of round(C·R) rows over the sample (LRU: ranks compared with C·R), and the full trace's rows
-  moved are estimated from the kept ids' with the regression estimator (`_estimate`), which stays accurate when
+  moved are estimated from the kept ids' with the regression estimator (`_Estimator`), which stays accurate when
   a few hot ids carry much of the trace; the standard error of each point is estimated from ``error_bands``
   disjoint sub-samples of the sample (the spread of their curves ÷ sqrt of their number).
 """
@@ -143,28 +143,32 @@ def _check_policy(policy: str, horizon, depth, overlap) -> dict:
     return {"horizon": int(horizon), "depth": int(depth), "overlap": bool(overlap)}
 
 
-def _estimate(trace: TableTrace, batches_of_id: np.ndarray, moved_of_id: np.ndarray) -> float:
-    """Rows moved over the full trace ÷ its per-batch distinct ids, from each kept id's rows moved (y) and
-    batches (x). Exact trace: sum(y) / sum(x). Sample at rate R: the regression estimator of sampling theory,
-    sum(y)/R + b (X - sum(x)/R) with X the full trace's known per-batch distinct ids and b the least-squares slope
-    of y on x over the kept ids. A hot id (in most batches) swings the plain estimators: sum(y)/R at caches too
-    small to hold it (y = x there, b = 1 recovers X exactly), sum(y)/sum(x)·X at caches large enough that only
-    first uses miss (y = 1 there, b = 0 leaves the low-variance count of ids)."""
-    total = trace.unique_lookups
-    if not total:
-        return 1.0
-    if trace.exact:
-        return float(moved_of_id.sum()) / total
-    keep = batches_of_id > 0
-    x, y = batches_of_id[keep].astype(np.float64), moved_of_id[keep].astype(np.float64)
-    rate = trace.rate
-    slope = 0.0
-    if x.size > 1:
-        dx = x - x.mean()
-        var = float(dx @ dx)
-        if var > 0:
-            slope = float(dx @ (y - y.mean())) / var
-    return max(0.0, (y.sum() / rate + slope * (total - x.sum() / rate)) / total)
+class _Estimator:
+    """Rows moved over the full trace ÷ its per-batch distinct ids, from the kept ids' rows moved y and batches x.
+
+    Exact trace: sum(y) / sum(x). Sample at rate R: the regression estimator of sampling theory,
+    sum(y)/R + b (X - sum(x)/R), with X the full trace's per-batch distinct ids (counted exactly while reading)
+    and b the least-squares slope of y on x over the kept ids. A hot id (in most batches) swings the plain
+    estimators: sum(y)/R at caches too small to hold it (y = x there: b = 1 recovers X exactly), sum(y)/sum(x)·X
+    at caches large enough that only first uses miss (y = 1 there: b = 0 leaves the low-variance count of ids).
+    Takes sum(y) and sum(x·y) only, so a whole curve's sums can come from one sorted pass.
+    """
+
+    def __init__(self, trace: TableTrace, batches_of_id: np.ndarray):
+        self.total, self.rate, self.exact = trace.unique_lookups, trace.rate, trace.exact
+        x = batches_of_id[batches_of_id > 0].astype(np.float64)
+        self.n, self.sx, self.sxx = x.size, float(x.sum()), float(x @ x)
+
+    def __call__(self, sum_y: float, sum_xy: float) -> float:
+        if not self.total:
+            return 1.0
+        if self.exact:
+            return sum_y / self.total
+        slope = 0.0
+        var = self.sxx - self.sx * self.sx / self.n if self.n > 1 else 0.0
+        if var > 1e-9 * max(self.sxx, 1.0):
+            slope = (sum_xy - self.sx * sum_y / self.n) / var
+        return max(0.0, (sum_y / self.rate + slope * (self.total - self.sx / self.rate)) / self.total)
 
 
 def _ratios(trace: TableTrace, policy: str, sizes: np.ndarray, options: dict, warm: WarmStart | None) -> tuple:
@@ -178,10 +182,16 @@ def _ratios(trace: TableTrace, policy: str, sizes: np.ndarray, options: dict, wa
         if prep.unique_lookups:
             ids = np.concatenate(prep.uniq)
             batches_of_id = np.bincount(ids, minlength=prep.num_ids)
+            estimate = _Estimator(trace, batches_of_id)
+            # An access moves a row at C rows iff its rank > C·R: sums over the accesses ranked above each size.
             distances = lru_stack_distances(prep)
+            order = np.argsort(distances, kind="stable")
+            ranked = distances[order]
+            tail_y = np.concatenate([np.cumsum(np.ones(ranked.size)[::-1])[::-1], [0.0]])
+            tail_xy = np.concatenate([np.cumsum(batches_of_id[ids[order]][::-1].astype(np.float64))[::-1], [0.0]])
             for i in live:
-                moved = np.bincount(ids[distances > np.floor(sizes[i] * rate)], minlength=prep.num_ids)
-                out[i] = _estimate(trace, batches_of_id, moved)
+                k = int(np.searchsorted(ranked, np.floor(sizes[i] * rate), side="right"))
+                out[i] = estimate(tail_y[k], tail_xy[k])
         return out, "stack"
     scaled = np.maximum(1, np.round(sizes * rate)).astype(np.int64)
     preloads: dict[int, np.ndarray] = {}
@@ -197,6 +207,7 @@ def _ratios(trace: TableTrace, policy: str, sizes: np.ndarray, options: dict, wa
     if not prep.unique_lookups:
         return out, "simulation"
     batches_of_id = np.bincount(np.concatenate(prep.uniq), minlength=prep.num_ids)
+    estimate = _Estimator(trace, batches_of_id)
     for i in live:
         kw = dict(options, prefetch=True) if policy == "lookahead" else dict(options)
         if warm is not None:
@@ -204,7 +215,8 @@ def _ratios(trace: TableTrace, policy: str, sizes: np.ndarray, options: dict, wa
             if policy in ("lfu", "lookahead"):
                 kw["initial_counts"] = warm.counts
         result = simulators.simulate(policy, prep, int(scaled[i]), per_id=True, **kw)
-        out[i] = _estimate(trace, batches_of_id, result.rows_moved_per_id)
+        y = result.rows_moved_per_id
+        out[i] = estimate(float(y.sum()), float(y @ batches_of_id))
     return out, "simulation"
 
 

@@ -373,9 +373,9 @@ def _costs(specs, curves, top, floor, cost="device") -> list[TableCost]:
     return out
 
 
-def plan(source, budget_bytes: int, tables=None, *, optimizer=None, policy: str = "lfu", horizon: int = 64,
+def plan(source, budget_bytes: int | str, tables=None, *, optimizer=None, policy: str = "lfu", horizon: int = 64,
          depth: int = 4, overlap: bool = False, compare: Sequence[str] = (), groups="collection", id_freq="auto",
-         warmup_ratio: float = 0.7, host_budget_bytes: int | None = None, min_rows: int | str = "batch",
+         warmup_ratio: float = 0.7, host_budget_bytes: int | str | None = None, min_rows: int | str = "batch",
          embedding_dim: int | None = None,
          points: int = 24, refine: int = 6, error_bands: int = 4, batch_size: int | None = None,
          limit_batches: int | None = None, shuffle: bool = True, seed: int = 0, epoch: int = 0, ids=None,
@@ -400,8 +400,12 @@ def plan(source, budget_bytes: int, tables=None, *, optimizer=None, policy: str 
     for p in (policy, *compare):
         if p not in POLICIES:
             raise ValueError(f"policy {p!r}: expected one of {POLICIES}")
+    budget_bytes = parse_bytes(budget_bytes) if isinstance(budget_bytes, str) else budget_bytes
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)) or budget_bytes < 1:
-        raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
+        raise ValueError(f"budget_bytes must be a positive number of bytes (an int or e.g. '8GiB'), got "
+                         f"{budget_bytes!r}")
+    if isinstance(host_budget_bytes, str):
+        host_budget_bytes = parse_bytes(host_budget_bytes)
     traces = read_traces(source, tables, batch_size=batch_size, limit_batches=limit_batches, shuffle=shuffle,
                          seed=seed, epoch=epoch, ids=ids, sample_rate=sample_rate, max_unique=max_unique, salt=salt)
     specs = _specs(tables, traces, source, optimizer, embedding_dim)

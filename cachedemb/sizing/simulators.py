@@ -31,7 +31,6 @@ Every simulator loops over batches in Python and is vectorized over ids inside a
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -328,7 +327,10 @@ class _Lookahead(_OPT):
         self.count[u] += cnt
 
     def _union(self, t, count):
-        return functools.reduce(np.union1d, self.prep.uniq[t:t + count])
+        ids = np.sort(np.concatenate(self.prep.uniq[t:t + count]))
+        keep = np.ones(ids.size, dtype=bool)
+        keep[1:] = ids[1:] != ids[:-1]
+        return ids[keep]
 
     def window(self, t):
         if self.prefetch:
