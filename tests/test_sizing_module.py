@@ -119,3 +119,18 @@ def test_meta_collection_keeps_the_per_table_rows_through_materialization():
     ebc.half()  # one group now: the group's cache holds both tables' rows
     ebc.to_empty(device="cpu")
     assert [bag.cache.capacity for bag in ebc.bags] == [50]
+
+
+def test_auto_sizes_a_dynamic_table_by_its_raw_ids():
+    tables = [cachedemb.TableConfig("a", 1000, 4, ["fa"]),
+              cachedemb.TableConfig("d", None, 4, ["fd"], dynamic=cachedemb.DynamicIds(capacity=2000))]
+    rng = np.random.default_rng(0)
+    batches = [{"fa": (torch.from_numpy(rng.integers(0, 1000, 64)), torch.arange(65)),
+                "fd": (torch.from_numpy(rng.integers(0, 1 << 50, 64) * 3), torch.arange(65))} for _ in range(8)]
+    ebc = cachedemb.CachedEmbeddingBagCollection(tables, cache_rows="auto", budget_bytes=40_000, sample=batches,
+                                                 optimizer=cachedemb.optim.SGD(0.1), device="cpu",
+                                                 sizing={"points": 6, "refine": 0})
+    assert ebc.sizing_plan.table("d").spec.num_embeddings is None
+    assert [g.tables for g in ebc.sizing_plan.groups] == [("a",), ("d",)]
+    assert ebc.bags[1].cache.capacity == min(ebc.sizing_plan.cache_rows["d"], 2000)
+    ebc(batches[0])

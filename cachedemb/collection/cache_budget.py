@@ -9,6 +9,7 @@ The plan's group predictions are simulations of exactly that shared cache on the
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import numpy as np
 
@@ -50,7 +51,10 @@ def table_cache_rows(collection, cache_rows, budget_bytes, sample, sizing_option
     if collection._freqs is not None:
         id_freq = {t.name: f.numpy() for t, f in zip(collection.tables, collection._freqs) if f is not None}
     groups = [[collection.tables[i].name for i in g.tables] for g in collection._groups]
-    plan = sizing.plan(traces, budget_bytes, collection.tables,
+    # a dynamic table's ids are raw int64 (its slab maps them to rows): sized by its trace, not by a row range
+    specs = [sizing.TableSpec.from_config(t) if t.dynamic is None else
+             replace(sizing.TableSpec.from_config(t), num_embeddings=None) for t in collection.tables]
+    plan = sizing.plan(traces, budget_bytes, specs,
                        optimizer=collection._bag_kwargs["optimizer"], policy=policy, groups=groups, id_freq=id_freq,
                        warmup_ratio=collection._bag_kwargs["warmup_ratio"], **options)
     return plan.cache_rows, plan
