@@ -19,7 +19,7 @@ OPTIMIZERS = {"none": None, "sgd": optim.SGD(), "adagrad": optim.Adagrad(), "row
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m cachedemb.sizing", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m cachedemb.sizing", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, help="a directory preprocessed by the DLRM recipe (or its parent)")
     p.add_argument("--budget", required=True, help="device bytes for the caches, e.g. 8GiB, 512MB")
     p.add_argument("--policy", choices=POLICIES, default="lfu",
