@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from cachedemb.collection import capture
+from cachedemb.collection import cache_budget, capture
 from cachedemb.cache.embedding_cache import pinned_empty
 from cachedemb.collection.capture import NotScriptableError, fx_lookup, fx_lookup_live
 from cachedemb.collection.inputs import CollectionInputs, is_torchrec, torchrec_type
@@ -182,6 +182,13 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
     * a 2-D integer tensor [B, len(feature_names)], one id per (sample, feature), columns in `feature_names`
       order -> dict {key: pooled [B, dim]}.
 
+    Cache sizes: `cache_rows` (rows per group cache), `cache_ratio` (of the group's rows), `cache_rows={table:
+    rows}` (a group's cache holds its tables' rows summed), or `cache_rows="auto"` with `budget_bytes=` (device
+    bytes for all caches: an int or "8GiB") and `sample=` (an iterable of input batches, as forward takes them):
+    the budget is split over the tables from the sample's miss-ratio curves under `policy` (`cachedemb.sizing`;
+    `sizing={...}` passes options such as `depth`/`horizon` for "lookahead"); `sizing_plan` then holds the
+    plan: rows, predicted hit rates and PCIe bytes per step, per table and per group cache.
+
     Ids must be in [0, num_embeddings) of their table, unless `hash_ids=True`, which maps every id to
     `id % num_embeddings` (torch ops on the ids' device). `id_freq` (per-table access counts, a list aligned
     with `tables` or a dict by table name) seeds the cache's frequency policy and warm-up. `dynamic`
@@ -199,16 +206,18 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
     """
 
     def __init__(self, tables: Sequence, is_weighted: bool = False, device=None, *, cache_ratio: float = 0.01,
-                 cache_rows: int | None = None, optimizer: SparseOptimizer | None = None, id_freq=None,
-                 warmup_ratio: float = 0.7, policy: str | Policy = "lfu", hash_ids: bool = False,
+                 cache_rows: int | str | Mapping[str, int] | None = None, optimizer: SparseOptimizer | None = None,
+                 id_freq=None, warmup_ratio: float = 0.7, policy: str | Policy = "lfu", hash_ids: bool = False,
                  validate_inputs: bool = True, dynamic: Mapping[str, DynamicIds] | None = None,
-                 count_in_eval: bool = False):
+                 count_in_eval: bool = False, budget_bytes: int | str | None = None, sample=None,
+                 sizing: Mapping | None = None):
         super().__init__()
         self._configs = list(tables)
         self.tables: list[TableConfig] = self._check_tables(self._configs, dynamic)
         self.hash_ids, self.is_weighted_, self.validate_inputs = bool(hash_ids), bool(is_weighted), validate_inputs
-        self._bag_kwargs = dict(cache_ratio=cache_ratio, cache_rows=cache_rows, optimizer=optimizer,
-                                warmup_ratio=warmup_ratio, policy=policy)
+        per_table = cache_rows == "auto" or isinstance(cache_rows, Mapping)
+        self._bag_kwargs = dict(cache_ratio=cache_ratio, cache_rows=None if per_table else cache_rows,
+                                optimizer=optimizer, warmup_ratio=warmup_ratio, policy=policy)
         self.count_in_eval = bool(count_in_eval)  # plain tables only: dynamic tables' eval forwards are read-only
         self._freqs = self._check_id_freq(id_freq)
         shared = Counter(f for t in self.tables for f in t.feature_names)
@@ -219,6 +228,9 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         self._feature_index = {f: i for i, f in enumerate(self.feature_names)}
         self._dims = [self.tables[lk.table].embedding_dim for lk in self._lookups]
         self._plan_groups()
+        # {table: rows} (cache_rows={...} or "auto"): a group's cache holds its tables' rows summed
+        self._rows_by_table, self.sizing_plan = cache_budget.table_cache_rows(self, cache_rows, budget_bytes,
+                                                                              sample, sizing)
         self.bags = nn.ModuleList()
         self.embedding_bags = nn.ModuleDict({t.name: _TableView(self, i) for i, t in enumerate(self.tables)})
         self._pending_load: dict[int, int | None] = {}  # group -> loaded optimizer step (None: weights only)
@@ -295,6 +307,13 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
             self._groups.append(_Group(dim, pooling, dtype, tuple(tables), tuple(offsets[:-1]), offsets[-1],
                                        lookups, self.tables[tables[0]].dynamic))
 
+    def _group_bag_kwargs(self, group: _Group) -> dict:
+        """The group module's cache and optimizer arguments: per-table rows summed when they were given."""
+        if self._rows_by_table is None:
+            return self._bag_kwargs
+        rows = sum(self._rows_by_table[self.tables[i].name] for i in group.tables)
+        return {**self._bag_kwargs, "cache_rows": max(1, min(rows, group.rows))}
+
     @staticmethod
     def _resolve_device(device) -> torch.device:
         """As torchrec: an explicit device, else the default device (`with torch.device(...)`); the plain CPU
@@ -328,12 +347,12 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
                 if group.dynamic is not None:
                     bags.append(_DynamicGroupBag(None, group.dim, mode=group.pooling, include_last_offset=True,
                                                     dtype=group.dtype, device=device, dynamic=group.dynamic,
-                                                    validate_inputs=False, **self._bag_kwargs))
+                                                    validate_inputs=False, **self._group_bag_kwargs(group)))
                     continue
                 freq = torch.cat([self._freqs[i] for i in group.tables]) if self._freqs is not None else None
                 bag = _GroupBag(group.rows, group.dim, mode=group.pooling, include_last_offset=True, _weight=host,
                                 dtype=group.dtype, device=device, id_freq=freq, validate_inputs=False,
-                                count_in_eval=self.count_in_eval, **self._bag_kwargs)
+                                count_in_eval=self.count_in_eval, **self._group_bag_kwargs(group))
                 bag.cache.set_tables(list(group.row_offsets))
                 bags.append(bag)
         self.bags = bags

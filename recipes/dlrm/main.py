@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 import cachedemb
-from cachedemb import optim
+from cachedemb import optim, sizing
 
 from .configs import DATA_PRESET, INTERACTIONS, RunPreset, get_preset
 from .data import (PreprocessedSplit, load_id_freq, load_metadata, preprocess_avazu, preprocess_criteo_1tb,
@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "default ./data/synthetic)")
     p.add_argument("--synthetic-rows", type=int, default=None)
     p.add_argument("--cache-ratio", type=float, default=None)
+    p.add_argument("--cache-budget", default=None,
+                   help="device bytes for all caches (e.g. 8GiB): rows per table from the train split's miss-ratio "
+                        "curves (cachedemb.sizing) instead of --cache-ratio")
     p.add_argument("--prefetch-depth", type=int, default=0, help="batches to prefetch ahead (0 = off)")
     p.add_argument("--prefetch-horizon", type=int, default=None)
     p.add_argument("--optimizer", choices=sorted(SPARSE_OPTIMIZERS), default=None, help="embedding optimizer")
@@ -97,6 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.cache_ratio <= 1:
         raise ValueError(f"--cache-ratio must be in (0, 1], got {args.cache_ratio}")
+    if args.cache_budget is not None:
+        args.cache_budget = sizing.parse_bytes(args.cache_budget)
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise ValueError("--checkpoint-every/--resume need --checkpoint-dir")
     args.lr_schedule = LRSchedule(args.lr_warmup_steps, args.lr_decay_start, args.lr_decay_steps)
@@ -215,8 +220,12 @@ def build(args, preset: RunPreset, meta: dict, data_dir: Path):
     sparse_arch = (cachedemb.CachedEmbeddingBagCollection(config.tables(), cache_ratio=args.cache_ratio,
                                                           optimizer=sparse_opt, id_freq=id_freq, device="meta")
                    if distributed else None)
+    sized = {}
+    if args.cache_budget is not None:
+        args.sizing_plan = size_caches(args, config, sparse_opt, data_dir)
+        sized = {"cache_rows": args.sizing_plan.cache_rows}
     model = DLRM(config, cache_ratio=args.cache_ratio, optimizer=sparse_opt, id_freq=id_freq,
-                 device=torch.device(args.device), sparse_arch=sparse_arch)
+                 device=torch.device(args.device), sparse_arch=sparse_arch, **sized)
     if distributed:
         from cachedemb.distributed import shard
 
@@ -224,6 +233,23 @@ def build(args, preset: RunPreset, meta: dict, data_dir: Path):
     dense_cls = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[args.dense_optimizer]
     dense_opt = dense_cls(_dense_parameters(model), lr=args.dense_lr)
     return model, dense_opt
+
+
+def size_caches(args, config: DLRMConfig, sparse_opt, data_dir: Path) -> sizing.SizingPlan:
+    """--cache-budget: rows per table from the first epoch's training batches, in training order, under the
+    policy the run uses (LFU warm-started from the train counts; the look-ahead policy with --prefetch-depth)."""
+    if getattr(args, "world", 1) > 1:
+        raise ValueError("--cache-budget sizes one process's caches; under torchrun use --cache-ratio")
+    depth = args.prefetch_depth
+    horizon = args.prefetch_horizon if args.prefetch_horizon is not None else depth
+    plan = sizing.plan(str(data_dir), args.cache_budget, config.tables(), optimizer=sparse_opt,
+                       policy="lookahead" if depth > 0 else "lfu", depth=max(depth, 1), horizon=max(horizon, 1),
+                       overlap=args.device.startswith("cuda"),  # cachedemb.prefetch's default
+                       batch_size=args.batch_size, limit_batches=args.limit_batches, shuffle=True, seed=args.seed,
+                       epoch=0, id_freq="auto")
+    if not args.quiet and getattr(args, "rank", 0) == 0:
+        print(plan.format_table(), flush=True)
+    return plan
 
 
 def _dense_parameters(model) -> list:
@@ -549,6 +575,14 @@ def _run(args, preset: RunPreset) -> dict:
         metrics.update(evaluate(model, val_split, args))
     metrics.update({"data": args.data, "cache_ratio": args.cache_ratio, "embedding_dim": args.embedding_dim,
                     "batch_size": args.batch_size, "device": args.device})
+    plan = getattr(args, "sizing_plan", None)
+    if plan is not None:  # --cache-budget: what the sizing predicted, beside what training measured
+        metrics.update({"cache_ratio": round(sum(plan.cache_rows.values()) / sum(t.spec.num_embeddings
+                                                                                  for t in plan.tables), 6),
+                        "cache_budget_bytes": plan.budget_bytes, "cache_budget_used": plan.budget_used,
+                        "cache_rows": [g.cache_rows for g in plan.groups],
+                        "predicted_cache_hit_rate": round(plan.hit_rate, 6),
+                        "predicted_pcie_bytes_per_step": round(plan.pcie_bytes_per_step, 1)})
     if not math.isnan(metrics["cache_hit_rate"]):
         metrics["cache_hit_rate"] = round(metrics["cache_hit_rate"], 6)
     if args.rank == 0:
