@@ -53,8 +53,14 @@ def report(bench, tmp_path_factory):
     wrong = bench.CachedembPeer(prefetch=False, lr_scale=1.5)  # trains with another lr: its table must differ
     wrong.name = "cachedemb_wrong_lr"
     peers = bench.default_peers() + [wrong, Broken()]
+    # A peer after the broken one (a failure must not stop it): the FBGEMM adapter over FBGEMM's CPU kernels where
+    # fbgemm_gpu imports, else a second cachedemb run (the fresh environments of check_versions have no fbgemm).
     if has_fbgemm():
-        peers.append(bench.FbgemmPeer(location="host"))  # the FBGEMM adapter over FBGEMM's CPU kernels
+        peers.append(bench.FbgemmPeer(location="host"))
+    else:
+        after = bench.CachedembPeer(prefetch=False)
+        after.name = "cachedemb_after_broken"
+        peers.append(after)
     report = bench.main(TINY + ["--machine", "test", "--out", str(out)], peers=peers)
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     return report, out

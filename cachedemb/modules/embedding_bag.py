@@ -24,15 +24,24 @@ from cachedemb.optim import SparseOptimizer
 from cachedemb.cache.policy import Policy
 
 _STEP_KEY = "optimizer.step"
-# Tensors over the table's memory that the module itself holds: the Parameter, the cache's `.data` alias, and
-# the storage object that `_storage_users` makes to ask.
-_OWN_STORAGE_USERS = 3
 _TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _storage_users(table: torch.Tensor) -> int:
     """How many tensors (and storage objects) share the table's memory."""
     return torch._C._storage_Use_Count(table.untyped_storage()._cdata)
+
+
+def _own_storage_users() -> int:
+    """What `_storage_users` counts for the tensors over the table's memory that the module itself holds: the
+    Parameter and the cache's `.data` alias, plus the storage object made to ask where torch counts it (3 on
+    torch 2.13 / 2.15, 2 on torch 2.5). Measured once, on a tensor of the same shape of holders."""
+    table = nn.Parameter(torch.zeros(1))
+    alias = table.data  # noqa: F841 -- held while counting, as the cache holds its alias
+    return _storage_users(table)
+
+
+_OWN_STORAGE_USERS = _own_storage_users()
 
 
 def _refuse_unsharded_world() -> None:
