@@ -21,6 +21,7 @@ LAYERS = [
     ("cachedemb.optim", 1),
     ("cachedemb.modules", 2),
     ("cachedemb.dynamic", 3),
+    ("cachedemb.storage", 4),
     ("cachedemb.collection", 4),
     ("cachedemb.prefetch", 4),
     ("cachedemb.materialize", 5),
@@ -194,7 +195,7 @@ def test_wheel_lists_every_package():
                                                                        if k != "cachedemb"}
 
 
-@pytest.mark.parametrize("package", ["cache", "modules", "collection", "dynamic", "distributed", "tools"])
+@pytest.mark.parametrize("package", ["cache", "modules", "collection", "dynamic", "distributed", "storage", "tools"])
 def test_subpackage_says_what_it_owns_and_may_import(package):
     doc = ast.get_docstring(ast.parse((ROOT / "cachedemb" / package / "__init__.py").read_text()))
     assert doc and re.search(r"may import|imports? this package|nothing in `?cachedemb`? imports", doc, re.I)

@@ -345,7 +345,7 @@ class TableFile:
         parts = min(self._readers._max_workers, max(1, spans.size - 1))
         cuts = np.linspace(0, spans.size - 1, parts + 1).astype(np.int64)
         order_t = torch.from_numpy(order)
-        futures = [self._readers.submit(self._read_part, buf, offsets, spans[cuts[i]: cuts[i + 1] + 1], records,
+        futures = [_submit(self._readers, self._read_part, buf, offsets, spans[cuts[i]: cuts[i + 1] + 1], records,
                                         order_t, sink) for i in range(parts) if cuts[i + 1] > cuts[i]]
         self.stats["rows_read"] += int(ids.size)
         self.stats["bytes_read"] += int(ids.size) * self.record
@@ -374,7 +374,7 @@ class TableFile:
         `records` must not change until the ticket is done."""
         self._check_writable()
         ids = np.asarray(ids, dtype=np.int64)
-        future = self._writer.submit(self._write_task, ids, records)
+        future = _submit(self._writer, self._write_task, ids, records)
         self.stats["rows_written"] += int(ids.size)
         self.stats["bytes_written"] += int(ids.size) * self.record
         ticket = IoTicket([future])
@@ -503,6 +503,20 @@ def iter_table_rows(table: TableFile, chunk_rows: int = 1 << 16):
         records = records.index_select(0, back)  # id order
         states = {name: layout.state_view(records, name) for name, _, _ in layout.state_cols}
         yield start, layout.weight_view(records), states, layout.count_view(records)
+
+
+def _submit(pool: ThreadPoolExecutor, fn, *args) -> Future:
+    """fn on the pool, or here and now once the pool is shut down (at interpreter exit, when the module's
+    close runs after concurrent.futures stopped its workers)."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits, as the pool would
+            future.set_exception(exc)
+        return future
 
 
 def _check_expected(path: Path, header: TableHeader, expect: TableHeader) -> None:

@@ -1,0 +1,226 @@
+"""The pinned host cache of a file-backed table: table ids -> rows of a bounded slab, loaded from the file.
+
+The slab is the host table of the CachedEmbeddingBag that the file-backed module wraps, so the device cache
+below keeps seeing dense host rows (slab rows) and its kernels are unchanged. Per batch (O(its distinct ids)):
+
+    distinct ids -> IdIndex (exact, host) -> hits: their slab rows
+                 -> misses: free rows, else evict a batch of rows (LFU: lowest access count, then least recently
+                    used; never a row this batch or a batch read ahead still uses) -> read their records from the
+                    file into the slab (thread pool; asynchronous under prefetch, the window admission waits for
+                    them through `EmbeddingCache.host_fence`)
+
+Evicting a row first writes back a device-resident copy and empties its slot (`EmbeddingCache.drop_rows`),
+then, if the row was written since it was read, queues its record for the file (write-backs go out in batches
+on the writer thread; a row being written is read back only after its write lands). The LFU score is the
+row's access count, which travels with the row in its record, so it survives evictions.
+
+A batch with more distinct ids than the slab has rows still runs exactly: the slab grows by the missing rows
+for that batch (`CachedEmbeddingBag._resize_rows`, transient staging rows past the budget) and shrinks back at
+the next batch that does not need them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cachedemb.modules.embedding_bag import CachedEmbeddingBag
+from cachedemb.dynamic.index import IdIndex
+from cachedemb.storage.table_file import IoTicket, TableFile
+
+EVICT_FRACTION = 16  # an eviction frees at least 1/16 of the slab, so its O(slab) ranking is amortized
+
+
+class HostRowCache:
+    """Slab rows [first, first + rows) of `inner`'s host table, holding table rows from `table`."""
+
+    def __init__(self, table: TableFile, inner: CachedEmbeddingBag, rows: int, first: int):
+        self.table, self.inner = table, inner
+        self.layout = table.layout
+        self.first, self.base = first, first + rows
+        self.index = IdIndex(size=4 * max(rows, 16))
+        self._alloc_arrays(self.base)
+        self.free_mask[:first] = False
+        self.done_below = 0  # batches with a lower sequence number have run forward and backward
+        self.loads: list[IoTicket] = []
+        self.writes: list[tuple[np.ndarray, IoTicket]] = []
+        self.stats = dict.fromkeys(("hits", "misses", "evicted", "written_back", "staging_rows", "grown"), 0)
+
+    def _alloc_arrays(self, n: int) -> None:
+        self.row_id = np.full(n, -1, dtype=np.int64)
+        self.row_step = np.full(n, -1, dtype=np.int64)  # the last batch (sequence number) that reads the row
+        self.dirty = np.zeros(n, dtype=bool)
+        self.free_mask = np.ones(n, dtype=bool)
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_id.size
+
+    @property
+    def cache(self):
+        return self.inner.cache
+
+    # ----------------------------------------------------------------- mapping
+    def find(self, uniq: np.ndarray) -> np.ndarray:
+        """Slab row of each id, -1 where it is not in the host cache (read-only)."""
+        slots = self.index.lookup(torch.from_numpy(uniq)).numpy()
+        return np.where(slots >= 0, self.index.row.numpy()[np.maximum(slots, 0)], -1)
+
+    def map(self, uniq: np.ndarray, seq: int | None, grow: bool, limit: int | None = None) -> np.ndarray | None:
+        """Slab rows for distinct ids `uniq` (missing ones allocated and read from the file, asynchronously);
+        rows are held for batch `seq` (None: this forward only). Without `grow`, None when the rows
+        (below `limit`) cannot all be found (nothing is then allocated)."""
+        rows = self.find(uniq)
+        miss = np.flatnonzero(rows < 0)
+        if miss.size:
+            limit = self.num_rows if limit is None else limit
+            short = miss.size - int(np.count_nonzero(self.free_mask[:limit]))
+            if short > 0:
+                self._evict(short, keep=rows[rows >= 0])
+                short = miss.size - int(np.count_nonzero(self.free_mask[:limit]))
+            if short > 0:
+                if not grow:
+                    return None
+                self._grow(short)
+            new = np.flatnonzero(self.free_mask[:limit if not grow else None])[: miss.size]
+            # A free row may still be device-resident: a prefetch window can admit rows read ahead before
+            # they were evicted. Its copy goes before the row takes another id.
+            self.cache.drop_rows(torch.from_numpy(new))
+            ids = uniq[miss]
+            self.free_mask[new] = False
+            self.row_id[new] = ids
+            self.row_step[new] = -1
+            self.dirty[new] = False
+            slots = self.index.insert(torch.from_numpy(ids))
+            self.index.row[slots] = torch.from_numpy(new)
+            self._load(ids, new)
+            rows[miss] = new
+        self.stats["hits"] += int(uniq.size - miss.size)
+        self.stats["misses"] += int(miss.size)
+        if seq is not None:
+            self.row_step[rows] = np.maximum(self.row_step[rows], seq)
+        return rows
+
+    def _load(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Read rows `ids` into slab `rows` on the pool (after any write of them still in flight)."""
+        for written, ticket in self.writes:
+            if not ticket.done() and np.isin(ids, written, assume_unique=True).any():
+                ticket.wait()
+        self.writes = [(w, t) for w, t in self.writes if not t.done()]
+        cache, layout = self.cache, self.layout
+        dest = torch.from_numpy(rows)
+
+        def land(records: torch.Tensor, order: torch.Tensor) -> None:  # on a reader thread, disjoint rows
+            at = dest.index_select(0, order)
+            cache.host_weight.index_copy_(0, at, layout.weight_view(records))
+            for name in cache.host_states:
+                cache.host_states[name].index_copy_(0, at, layout.state_view(records, name))
+            cache.host_freq.index_copy_(0, at, layout.count_view(records))
+
+        self.loads.append(self.table.read(ids, sink=land))
+
+    def fence(self) -> None:
+        """Wait until every row being read is in the slab (before the device cache reads slab rows)."""
+        loads, self.loads = self.loads, []
+        for ticket in loads:
+            ticket.wait()
+
+    # ----------------------------------------------------------------- eviction and write-back
+    def _evict(self, need: int, keep: np.ndarray) -> None:
+        """Free at least `need` rows (a batch of them: at least 1/EVICT_FRACTION of the slab) among rows no
+        batch in flight holds and not in `keep`: lowest access count first, then least recently used."""
+        held = self.row_step >= self.done_below
+        cand_mask = (self.row_id >= 0) & ~held
+        cand_mask[keep] = False
+        cand = np.flatnonzero(cand_mask)
+        if cand.size == 0:
+            return
+        want = min(cand.size, max(need, (self.base - self.first) // EVICT_FRACTION))
+        freq = self.cache.host_freq.numpy()[cand]
+        key = (np.minimum(freq, (1 << 40) - 1) << 22) | np.clip(self.row_step[cand] + 1, 0, (1 << 22) - 1)
+        if want < cand.size:
+            cand = cand[np.argpartition(key, want - 1)[:want]]
+        self.evict_rows(cand)
+
+    def evict_rows(self, rows: np.ndarray) -> None:
+        """Drop these slab rows: device copies written back and emptied, dirty rows queued for the file."""
+        if rows.size == 0:
+            return
+        self.fence()  # a row still being read must land before it is written back or reused
+        cache = self.cache
+        cache.drop_rows(torch.from_numpy(rows))
+        if cache.device.type == "cuda":
+            torch.cuda.synchronize(cache.device)  # the write-backs above land in the slab before it is read
+        self.write_back(rows[self.dirty[rows]])
+        slots = self.index.lookup(torch.from_numpy(self.row_id[rows]))
+        self.index.remove(slots)
+        self.row_id[rows] = -1
+        self.row_step[rows] = -1
+        self.free_mask[rows] = True
+        self.stats["evicted"] += int(rows.size)
+
+    def write_back(self, rows: np.ndarray) -> None:
+        """Queue the records of slab `rows` for the file (copied now: the rows may be reused at once)."""
+        if rows.size == 0:
+            return
+        cache, at = self.cache, torch.from_numpy(rows)
+        states = {name: s.index_select(0, at) for name, s in cache.host_states.items()}
+        records = self.layout.pack(cache.host_weight.index_select(0, at), states, cache.host_freq.index_select(0, at))
+        ids = np.sort(self.row_id[rows])
+        ticket = self.table.write(self.row_id[rows], records)
+        self.writes.append((ids, ticket))
+        self.dirty[rows] = False
+        self.stats["written_back"] += int(rows.size)
+
+    def flush(self) -> None:
+        """Every dirty slab row to the file (rows stay cached, clean); the device cache must be flushed first."""
+        self.fence()
+        self.write_back(np.flatnonzero(self.dirty))
+        self.table.drain()
+        self.writes = []
+
+    def clear(self) -> None:
+        """Forget every cached row (after a flush, or to drop rows the file no longer holds): the device cache
+        is emptied of them too."""
+        self.fence()
+        used = np.flatnonzero(self.row_id >= 0)
+        self.cache.drop_rows(torch.from_numpy(used))
+        self.index = IdIndex(size=4 * max(self.base - self.first, 16))
+        self.row_id[:] = -1
+        self.row_step[:] = -1
+        self.dirty[:] = False
+        self.free_mask[:] = True
+        self.free_mask[: self.first] = False
+
+    # ----------------------------------------------------------------- staging rows
+    def _grow(self, extra: int) -> None:
+        """Room for `extra` more rows past the slab (a batch larger than the host cache)."""
+        self.fence()
+        old = self.num_rows
+        new = old + extra
+        self.inner._resize_rows(new)
+        for name, fill in (("row_id", -1), ("row_step", -1)):
+            setattr(self, name, np.concatenate([getattr(self, name), np.full(extra, fill, dtype=np.int64)]))
+        self.dirty = np.concatenate([self.dirty, np.zeros(extra, dtype=bool)])
+        self.free_mask = np.concatenate([self.free_mask, np.ones(extra, dtype=bool)])
+        self.stats["staging_rows"] = max(self.stats["staging_rows"], new - self.base)
+        self.stats["grown"] += 1
+
+    def trim(self) -> None:
+        """Give the staging rows back once no batch in flight holds them (the slab returns to its budget)."""
+        if self.num_rows <= self.base:
+            return
+        staging = np.arange(self.base, self.num_rows)
+        if (self.row_step[staging] >= self.done_below).any():
+            return
+        self.evict_rows(staging[self.row_id[staging] >= 0])
+        self.table.drain()
+        self.writes = []
+        self.inner._resize_rows(self.base)
+        for name in ("row_id", "row_step", "dirty", "free_mask"):
+            setattr(self, name, getattr(self, name)[: self.base].copy())
+
+    def host_bytes(self) -> int:
+        """Host memory this cache holds: slab rows (row, state, count) and its bookkeeping."""
+        per_row = self.layout.record_bytes + 8 + 8 + 1 + 1
+        index = self.index.size * (8 + 1 + 8 + 8 + 8)
+        return self.num_rows * per_row + index
