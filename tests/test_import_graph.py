@@ -21,7 +21,7 @@ LAYERS = [
     ("cachedemb.optim", 1),
     ("cachedemb.modules", 2),
     ("cachedemb.dynamic", 3),
-    ("cachedemb.storage", 4),
+    ("cachedemb.storage", 3),
     ("cachedemb.collection", 4),
     ("cachedemb.prefetch", 4),
     ("cachedemb.materialize", 5),

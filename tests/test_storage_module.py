@@ -12,7 +12,8 @@ from torch import nn
 import cachedemb
 from cachedemb import optim
 from cachedemb.modules.errors import InvalidIdError
-from cachedemb.storage.embedding_bag import slab_rows, state_columns
+from cachedemb.storage.embedding_bag import state_columns
+from cachedemb.storage.host_cache import slab_rows
 from cachedemb.storage.format import TableHeader, TableMismatchError
 
 pytestmark = [pytest.mark.usefixtures("sizing_mode")]
@@ -41,8 +42,8 @@ def batches(seed=0, steps=STEPS, with_weights=False):
 def host_bytes_for(rows, spec):
     """host_cache_bytes that give `rows` slab rows for this optimizer's records."""
     record = TableHeader(N, D, torch.float32, state_columns(spec, D), "", 1, "", "", 0).layout.record_bytes
-    budget = rows * (record + 150)
-    assert slab_rows(budget, record) == rows
+    budget = next(b for b in range(rows * record, rows * (record + 100)) if slab_rows(b, record) > rows)
+    assert slab_rows(budget, record) == rows + 1  # the slab and the padding row
     return budget
 
 

@@ -102,13 +102,15 @@ def init_rows(init: TableInit, num_rows: int, dim: int, dtype: torch.dtype, star
     return out
 
 
-def iter_init_chunks(init: TableInit, total: int, dtype: torch.dtype):
+def iter_init_chunks(init: TableInit, total: int, dtype: torch.dtype, chunk: int = CHUNK_ELEMENTS // 16):
     """An elementwise init of a flattened table of `total` elements, drawn chunk by chunk exactly as one
-    whole-table fill draws it (memory O(chunk)): for tables streamed to a file."""
+    whole-table fill draws it (memory O(chunk); `chunk` a multiple of 16): for tables streamed to a file."""
+    if chunk % _BLOCK:
+        raise ValueError(f"init chunks must be a multiple of {_BLOCK} elements, got {chunk}")
     i = 0
     with torch.no_grad():
         while i < total:
-            j = min(total, i + CHUNK_ELEMENTS)
+            j = min(total, i + chunk)
             if total - j < _BLOCK:
                 j = total
             buf = torch.empty(j - i, dtype=dtype)

@@ -40,15 +40,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from cachedemb.dynamic.embedding_bag import _unique_sorted
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.modules.errors import InvalidIdError, InvalidInputTypeError, NotATensorError
 from cachedemb.modules.factory import register_storage
 from cachedemb.modules.input_check import integer_arg, size_arg
 from cachedemb.modules.meta_init import TableInit, iter_init_chunks
+from cachedemb.kernels import id_index
 from cachedemb.optim import SparseOptimizer
 from cachedemb.storage.format import TableHeader, TableMismatchError, dtype_name
-from cachedemb.storage.host_cache import HostRowCache
+from cachedemb.storage.host_cache import HostRowCache, distinct, slab_rows
 from cachedemb.storage.table_file import TableFile, iter_table_rows, open_table
 
 BLOCK_TARGET_BYTES = 256 << 10  # a chunk of rows (the copy-on-write unit) is about this size
@@ -80,11 +80,6 @@ class FileStorage:
             raise ValueError(f"FileStorage.rows_per_block must be None or a positive int, got {rpb!r}")
         if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1:
             raise ValueError(f"FileStorage.io_threads must be a positive int, got {self.io_threads!r}")
-
-
-def slab_rows(host_cache_bytes: int, record_bytes: int) -> int:
-    """Rows of the host cache in a budget: each costs its record, 18 B of bookkeeping and ~132 B of index."""
-    return host_cache_bytes // (record_bytes + 18 + 132)
 
 
 def state_columns(optimizer: SparseOptimizer | None, dim: int) -> tuple:
@@ -145,10 +140,13 @@ class FileBackedEmbeddingBag(nn.Module):
         header = TableHeader(num_embeddings, embedding_dim, dtype, state_columns(optimizer, embedding_dim),
                              repr(optimizer) if optimizer is not None else "", 1, "", "", 0.0)
         record = header.layout.record_bytes
-        rows = min(num_embeddings, slab_rows(storage.host_cache_bytes, record))
+        rows = min(num_embeddings, slab_rows(storage.host_cache_bytes, record) - 1)  # and the padding row
         if rows < 1:
             raise ValueError(f"FileStorage.host_cache_bytes={storage.host_cache_bytes} holds no row of "
-                             f"{record + 150} bytes (record + bookkeeping)")
+                             f"{record} bytes with its bookkeeping and index")
+        if num_embeddings > id_index.MAX_ID:
+            raise ValueError(f"a table file holds ids < 2^33 (the host cache's index packs them), got "
+                             f"{num_embeddings} rows: shard the table")
         self.table = self._open_or_create(storage, header, _weight, id_freq, padding_idx, _init)
         # The inner module: row 0 is the padding row, rows 1.. the slab (host cache).
         slab = torch.zeros(rows + 1, embedding_dim, dtype=dtype)
@@ -239,8 +237,8 @@ class FileBackedEmbeddingBag(nn.Module):
                                  f"{self.num_embeddings}) (num_embeddings={self.num_embeddings})")
         keep = valid if self.padding_idx is None else valid & (flat != self.padding_idx)
         train = self.training and torch.is_grad_enabled()
-        uniq, inverse, _ = _unique_sorted(flat[keep])
-        rows_u = self._batch_rows(flat, uniq.numpy(), train)
+        uniq, inverse = distinct(flat[keep])
+        rows_u = self._batch_rows(flat, uniq, train)
         self.host.fence()
         writes = (train and self.optimizer is not None) or self.max_norm is not None or self.count_in_eval
         if writes:
@@ -248,7 +246,7 @@ class FileBackedEmbeddingBag(nn.Module):
         # Padding lookups read inner row 0 (the inner padding row); invalid ids (validate_inputs=False) an
         # inner id out of range, which the inner module repairs and counts as it does for any table.
         rows = torch.where(valid, torch.zeros_like(flat), torch.full_like(flat, self.inner.num_embeddings))
-        rows[keep] = torch.from_numpy(rows_u).index_select(0, inverse)
+        rows[keep] = torch.from_numpy(rows_u[inverse])
         self.inner.training = self.training
         self.table.prune()
         return self.inner(rows.view(input.shape).to(input.device), offsets, per_sample_weights)
@@ -317,7 +315,7 @@ class FileBackedEmbeddingBag(nn.Module):
         keep = (flat >= 0) & (flat < self.num_embeddings)
         if self.padding_idx is not None:
             keep &= flat != self.padding_idx
-        uniq = _unique_sorted(flat[keep])[0].numpy()
+        uniq = distinct(flat[keep])[0]
         rows = None
         if self.training and torch.is_grad_enabled():
             seq, self.seq = self.seq, self.seq + 1

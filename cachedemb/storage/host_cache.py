@@ -3,7 +3,7 @@
 The slab is the host table of the CachedEmbeddingBag that the file-backed module wraps, so the device cache
 below keeps seeing dense host rows (slab rows) and its kernels are unchanged. Per batch (O(its distinct ids)):
 
-    distinct ids -> IdIndex (exact, host) -> hits: their slab rows
+    distinct ids -> RowIndex (exact, host) -> hits: their slab rows
                  -> misses: free rows, else evict a batch of rows (LFU: lowest access count, then least recently
                     used; never a row this batch or a batch read ahead still uses) -> read their records from the
                     file into the slab (thread pool; asynchronous under prefetch, the window admission waits for
@@ -23,11 +23,77 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cachedemb import kernels
+from cachedemb.kernels import id_index
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
-from cachedemb.dynamic.index import IdIndex
 from cachedemb.storage.table_file import IoTicket, TableFile
 
 EVICT_FRACTION = 16  # an eviction frees at least 1/16 of the slab, so its O(slab) ranking is amortized
+WRITE_ROWS = 1 << 14  # rows per write-back batch
+
+
+def distinct(ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(ascending distinct ids, position of each id among them) of a 1-D int64 host tensor."""
+    uniq, inverse = np.unique(ids.numpy(), return_inverse=True)
+    return uniq.astype(np.int64, copy=False), inverse.reshape(-1)
+
+
+BOOKKEEPING_BYTES = 18  # per slab row: its id, last batch, dirty and free flags
+
+
+def slab_rows(host_cache_bytes: int, record_bytes: int) -> int:
+    """The most slab rows whose records, bookkeeping and index fit in `host_cache_bytes`."""
+    best, size = 0, 16
+    while 8 * size < host_cache_bytes:
+        rows = min(size // 2, (host_cache_bytes - 8 * size) // (record_bytes + BOOKKEEPING_BYTES))
+        best = max(best, rows)
+        size *= 2
+    return best
+
+
+class RowIndex:
+    """Exact table id -> slab row map on the host: the device cache's packed open addressing
+    (`kernels.id_index`, 8 B a position, a power of two >= 2x the rows), its tombstones cleared by an in-place
+    rebuild once 5/8 of the positions are used."""
+
+    def __init__(self, rows: int):
+        self.keys = id_index.new_index(rows, "cpu")
+        self.used = 0
+        self.limit = self.keys.numel() * 5 // 8
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        q = torch.from_numpy(ids)
+        return kernels.index_lookup(self.keys, q, torch.tensor([q.numel()]), True).numpy()
+
+    def insert(self, ids: np.ndarray, rows: np.ndarray, live) -> None:
+        """Insert absent `ids` at `rows`; `live()` gives the other resident (ids, rows), for a rebuild."""
+        if self.used + ids.size > self.limit:
+            self.rebuild(*live())
+        q, r = torch.from_numpy(ids), torch.from_numpy(rows)
+        ok = kernels.index_insert(self.keys, q, r, torch.tensor([q.numel()]), True)
+        self.used += ids.size
+        if not bool(ok.all()):  # a probe ran past MAX_PROBE (rare): a table twice as large, laid out anew
+            others, at = live()
+            self.keys = torch.full((2 * self.keys.numel(),), id_index.EMPTY, dtype=torch.int64)
+            self.limit = self.keys.numel() * 5 // 8
+            self.rebuild(np.concatenate([others, ids]), np.concatenate([at, rows]))
+
+    def delete(self, ids: np.ndarray) -> None:
+        q = torch.from_numpy(ids)
+        kernels.index_delete(self.keys, q, q.numel(), True)
+
+    def rebuild(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        ok = id_index.index_build(self.keys, torch.from_numpy(ids), torch.from_numpy(rows))
+        if not bool(ok.all()):
+            self.keys = torch.full((2 * self.keys.numel(),), id_index.EMPTY, dtype=torch.int64)
+            self.limit = self.keys.numel() * 5 // 8
+            self.rebuild(ids, rows)
+            return
+        self.used = ids.size
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * 8
 
 
 class HostRowCache:
@@ -37,7 +103,7 @@ class HostRowCache:
         self.table, self.inner = table, inner
         self.layout = table.layout
         self.first, self.base = first, first + rows
-        self.index = IdIndex(size=4 * max(rows, 16))
+        self.index = RowIndex(rows)
         self._alloc_arrays(self.base)
         self.free_mask[:first] = False
         self.done_below = 0  # batches with a lower sequence number have run forward and backward
@@ -62,8 +128,11 @@ class HostRowCache:
     # ----------------------------------------------------------------- mapping
     def find(self, uniq: np.ndarray) -> np.ndarray:
         """Slab row of each id, -1 where it is not in the host cache (read-only)."""
-        slots = self.index.lookup(torch.from_numpy(uniq)).numpy()
-        return np.where(slots >= 0, self.index.row.numpy()[np.maximum(slots, 0)], -1)
+        return self.index.lookup(uniq)
+
+    def _live(self):
+        rows = np.flatnonzero(self.row_id >= 0)
+        return self.row_id[rows], rows
 
     def map(self, uniq: np.ndarray, seq: int | None, grow: bool, limit: int | None = None) -> np.ndarray | None:
         """Slab rows for distinct ids `uniq` (missing ones allocated and read from the file, asynchronously);
@@ -86,12 +155,11 @@ class HostRowCache:
             # they were evicted. Its copy goes before the row takes another id.
             self.cache.drop_rows(torch.from_numpy(new))
             ids = uniq[miss]
+            self.index.insert(ids, new, self._live)
             self.free_mask[new] = False
             self.row_id[new] = ids
             self.row_step[new] = -1
             self.dirty[new] = False
-            slots = self.index.insert(torch.from_numpy(ids))
-            self.index.row[slots] = torch.from_numpy(new)
             self._load(ids, new)
             rows[miss] = new
         self.stats["hits"] += int(uniq.size - miss.size)
@@ -151,23 +219,30 @@ class HostRowCache:
         if cache.device.type == "cuda":
             torch.cuda.synchronize(cache.device)  # the write-backs above land in the slab before it is read
         self.write_back(rows[self.dirty[rows]])
-        slots = self.index.lookup(torch.from_numpy(self.row_id[rows]))
-        self.index.remove(slots)
+        self.index.delete(self.row_id[rows])
         self.row_id[rows] = -1
         self.row_step[rows] = -1
         self.free_mask[rows] = True
         self.stats["evicted"] += int(rows.size)
 
     def write_back(self, rows: np.ndarray) -> None:
-        """Queue the records of slab `rows` for the file (copied now: the rows may be reused at once)."""
+        """Queue the records of slab `rows` for the file, in id order and batches of WRITE_ROWS (copied now:
+        the rows may be reused at once; memory in flight stays bounded)."""
         if rows.size == 0:
             return
-        cache, at = self.cache, torch.from_numpy(rows)
-        states = {name: s.index_select(0, at) for name, s in cache.host_states.items()}
-        records = self.layout.pack(cache.host_weight.index_select(0, at), states, cache.host_freq.index_select(0, at))
-        ids = np.sort(self.row_id[rows])
-        ticket = self.table.write(self.row_id[rows], records)
-        self.writes.append((ids, ticket))
+        rows = rows[np.argsort(self.row_id[rows], kind="stable")]
+        cache = self.cache
+        for start in range(0, rows.size, WRITE_ROWS):
+            part = rows[start: start + WRITE_ROWS]
+            at = torch.from_numpy(part)
+            states = {name: s.index_select(0, at) for name, s in cache.host_states.items()}
+            records = self.layout.pack(cache.host_weight.index_select(0, at), states,
+                                       cache.host_freq.index_select(0, at))
+            ids = self.row_id[part]
+            self.writes.append((ids, self.table.write(ids, records)))
+            if len(self.writes) > 4:  # at most a few batches of records in flight
+                self.writes[0][1].wait()
+                self.writes = [(w, t) for w, t in self.writes if not t.done()]
         self.dirty[rows] = False
         self.stats["written_back"] += int(rows.size)
 
@@ -184,7 +259,7 @@ class HostRowCache:
         self.fence()
         used = np.flatnonzero(self.row_id >= 0)
         self.cache.drop_rows(torch.from_numpy(used))
-        self.index = IdIndex(size=4 * max(self.base - self.first, 16))
+        self.index = RowIndex(self.base - self.first)
         self.row_id[:] = -1
         self.row_step[:] = -1
         self.dirty[:] = False
@@ -221,6 +296,4 @@ class HostRowCache:
 
     def host_bytes(self) -> int:
         """Host memory this cache holds: slab rows (row, state, count) and its bookkeeping."""
-        per_row = self.layout.record_bytes + 8 + 8 + 1 + 1
-        index = self.index.size * (8 + 1 + 8 + 8 + 8)
-        return self.num_rows * per_row + index
+        return self.num_rows * (self.layout.record_bytes + BOOKKEEPING_BYTES) + self.index.nbytes
