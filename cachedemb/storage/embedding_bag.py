@@ -162,7 +162,7 @@ class FileBackedEmbeddingBag(nn.Module):
         self.host = HostRowCache(self.table, inner, rows, first=1)
         inner.cache.host_fence = self.host.fence
         self.seq = 0  # sequence number of the next training batch
-        self.ahead: deque = deque()  # read-ahead batches: [flat ids, uniq, rows or None, seq]
+        self.ahead: deque = deque()  # read-ahead batches: [flat ids, distinct ids, rows or None, seq, inverse]
         self._closer = atexit.register(_close_at_exit, weakref.ref(self))
 
     # ----------------------------------------------------------------- the file
@@ -237,8 +237,8 @@ class FileBackedEmbeddingBag(nn.Module):
                                  f"{self.num_embeddings}) (num_embeddings={self.num_embeddings})")
         keep = valid if self.padding_idx is None else valid & (flat != self.padding_idx)
         train = self.training and torch.is_grad_enabled()
-        uniq, inverse = distinct(flat[keep])
-        rows_u = self._batch_rows(flat, uniq, train)
+        rows_u, inverse = self._batch_rows(flat, keep, train)
+        self.host.maybe_resident[rows_u] = True
         self.host.fence()
         writes = (train and self.optimizer is not None) or self.max_norm is not None or self.count_in_eval
         if writes:
@@ -251,24 +251,26 @@ class FileBackedEmbeddingBag(nn.Module):
         self.table.prune()
         return self.inner(rows.view(input.shape).to(input.device), offsets, per_sample_weights)
 
-    def _batch_rows(self, flat: torch.Tensor, uniq: np.ndarray, train: bool) -> np.ndarray:
-        """Slab rows of a forward's distinct ids: those read ahead for it, else mapped now."""
+    def _batch_rows(self, flat: torch.Tensor, keep: torch.Tensor, train: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(slab row of each distinct id, position of each kept lookup among them) of a forward: the rows read
+        ahead for it, else mapped now."""
         host = self.host
-        if not train:
-            return host.map(uniq, None, grow=True)
-        if self.ahead:
+        if train and self.ahead:
             entry = self.ahead[0]
             if entry[0].shape == flat.shape and torch.equal(entry[0], flat):
                 self.ahead.popleft()
                 host.done_below = entry[3]
-                rows = entry[2] if entry[2] is not None else self._map_now(uniq, entry[3])
+                rows = entry[2] if entry[2] is not None else self._map_now(entry[1], entry[3])
                 self._catch_up()
-                return rows
+                return rows, entry[4]
             self._drop_ahead(keep=0)  # not the batch read ahead: the read-ahead batches are abandoned
+        uniq, inverse = distinct(flat[keep])
+        if not train:
+            return host.map(uniq, None, grow=True), inverse
         seq, self.seq = self.seq, self.seq + 1
         host.done_below = seq
         host.trim()
-        return self._map_now(uniq, seq)
+        return self._map_now(uniq, seq), inverse
 
     def _map_now(self, uniq: np.ndarray, seq: int) -> np.ndarray:
         rows = self.host.map(uniq, seq, grow=False)
@@ -297,6 +299,8 @@ class FileBackedEmbeddingBag(nn.Module):
         for entry in self.ahead:
             if entry[2] is None:
                 rows = self.host.map(entry[1], entry[3], grow=False, limit=self.host.base)
+                if rows is not None:
+                    self.host.maybe_resident[rows] = True
                 if rows is None:
                     return
                 entry[2] = rows
@@ -315,18 +319,19 @@ class FileBackedEmbeddingBag(nn.Module):
         keep = (flat >= 0) & (flat < self.num_embeddings)
         if self.padding_idx is not None:
             keep &= flat != self.padding_idx
-        uniq = distinct(flat[keep])[0]
-        rows = None
+        uniq, inverse = distinct(flat[keep])
+        rows, seq = None, self.seq
         if self.training and torch.is_grad_enabled():
-            seq, self.seq = self.seq, self.seq + 1
+            self.seq += 1
             if all(entry[2] is not None for entry in self.ahead):
                 rows = self.host.map(uniq, seq, grow=False, limit=self.host.base)
-            self.ahead.append([flat, uniq, rows, seq])
+            self.ahead.append([flat, uniq, rows, seq, inverse])
         if rows is None:
             rows = self.host.find(uniq)
         # Staging rows (past the budget, transient) are never announced: the pipeline sized its look-ahead
         # by the slab's rows when it started.
         rows = rows[(rows >= 0) & (rows < self.host.base)]
+        self.host.announce(rows, seq)  # a window may admit them
         return [(self.inner.cache, torch.from_numpy(np.sort(rows)).to(self.inner.cache.device))]
 
     # ----------------------------------------------------------------- flush, snapshots, close

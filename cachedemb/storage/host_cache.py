@@ -57,7 +57,7 @@ class RowIndex:
     rebuild once 5/8 of the positions are used."""
 
     def __init__(self, rows: int):
-        self.keys = id_index.new_index(rows, "cpu")
+        self.keys = id_index.new_index(2 * rows, "cpu")  # >= 4x the rows: a rebuild every few batches at most
         self.used = 0
         self.limit = self.keys.numel() * 5 // 8
 
@@ -112,6 +112,8 @@ class HostRowCache:
         self.stats = dict.fromkeys(("hits", "misses", "evicted", "written_back", "staging_rows", "grown"), 0)
 
     def _alloc_arrays(self, n: int) -> None:
+        self.maybe_resident = np.zeros(n, dtype=bool)  # handed to the device cache since its copy was dropped
+        self.announced = np.full(n, -1, dtype=np.int64)  # the last read-ahead batch whose window may admit it
         self.row_id = np.full(n, -1, dtype=np.int64)
         self.row_step = np.full(n, -1, dtype=np.int64)  # the last batch (sequence number) that reads the row
         self.dirty = np.zeros(n, dtype=bool)
@@ -153,7 +155,7 @@ class HostRowCache:
             new = np.flatnonzero(self.free_mask[:limit if not grow else None])[: miss.size]
             # A free row may still be device-resident: a prefetch window can admit rows read ahead before
             # they were evicted. Its copy goes before the row takes another id.
-            self.cache.drop_rows(torch.from_numpy(new))
+            self.drop_device_copies(new)
             ids = uniq[miss]
             self.index.insert(ids, new, self._live)
             self.free_mask[new] = False
@@ -215,7 +217,7 @@ class HostRowCache:
             return
         self.fence()  # a row still being read must land before it is written back or reused
         cache = self.cache
-        cache.drop_rows(torch.from_numpy(rows))
+        self.drop_device_copies(rows)
         if cache.device.type == "cuda":
             torch.cuda.synchronize(cache.device)  # the write-backs above land in the slab before it is read
         self.write_back(rows[self.dirty[rows]])
@@ -224,6 +226,20 @@ class HostRowCache:
         self.row_step[rows] = -1
         self.free_mask[rows] = True
         self.stats["evicted"] += int(rows.size)
+
+    def drop_device_copies(self, rows: np.ndarray) -> None:
+        """Write back and empty the device cache's copies of these slab rows (only rows handed to it since
+        their copies were last dropped: `maybe_resident`)."""
+        rows = rows[self.maybe_resident[rows]]
+        if rows.size:
+            self.cache.drop_rows(torch.from_numpy(rows))
+            # A window not admitted yet (its batches not reached) may still bring the row back.
+            self.maybe_resident[rows] = self.announced[rows] > self.done_below
+
+    def announce(self, rows: np.ndarray, seq: int) -> None:
+        """Rows handed to the prefetch pipeline for batch `seq`: a window may admit them until that batch runs."""
+        self.maybe_resident[rows] = True
+        self.announced[rows] = np.maximum(self.announced[rows], seq)
 
     def write_back(self, rows: np.ndarray) -> None:
         """Queue the records of slab `rows` for the file, in id order and batches of WRITE_ROWS (copied now:
@@ -257,8 +273,7 @@ class HostRowCache:
         """Forget every cached row (after a flush, or to drop rows the file no longer holds): the device cache
         is emptied of them too."""
         self.fence()
-        used = np.flatnonzero(self.row_id >= 0)
-        self.cache.drop_rows(torch.from_numpy(used))
+        self.drop_device_copies(np.arange(self.num_rows))
         self.index = RowIndex(self.base - self.first)
         self.row_id[:] = -1
         self.row_step[:] = -1
@@ -276,6 +291,8 @@ class HostRowCache:
         for name, fill in (("row_id", -1), ("row_step", -1)):
             setattr(self, name, np.concatenate([getattr(self, name), np.full(extra, fill, dtype=np.int64)]))
         self.dirty = np.concatenate([self.dirty, np.zeros(extra, dtype=bool)])
+        self.maybe_resident = np.concatenate([self.maybe_resident, np.zeros(extra, dtype=bool)])
+        self.announced = np.concatenate([self.announced, np.full(extra, -1, dtype=np.int64)])
         self.free_mask = np.concatenate([self.free_mask, np.ones(extra, dtype=bool)])
         self.stats["staging_rows"] = max(self.stats["staging_rows"], new - self.base)
         self.stats["grown"] += 1
@@ -291,7 +308,7 @@ class HostRowCache:
         self.table.drain()
         self.writes = []
         self.inner._resize_rows(self.base)
-        for name in ("row_id", "row_step", "dirty", "free_mask"):
+        for name in ("row_id", "row_step", "dirty", "free_mask", "maybe_resident", "announced"):
             setattr(self, name, getattr(self, name)[: self.base].copy())
 
     def host_bytes(self) -> int:

@@ -1,8 +1,8 @@
 """A table file: rows read and written in batches on a thread pool, copy-on-write after each commit.
 
-Reads and writes are batched and sorted by file offset; runs of adjacent records go in one `os.preadv` /
-`os.pwritev` call, and the calls run on worker threads (they release the GIL): reads on `io_threads` workers,
-writes on one worker, in submission order. A chunk (the rows of one block) that a retained snapshot names is
+Reads and writes are batched and sorted by file offset; runs of adjacent records go in one pread / pwrite call
+(`rowio`: a loop in C under one GIL-free ctypes call, or `os.preadv` / `os.pwritev` in Python), and the calls run
+on worker threads: reads on `io_threads` workers, writes on one worker, in submission order. A chunk (the rows of one block) that a retained snapshot names is
 never written: its first write after a commit copies the block into a free one (`os.copy_file_range`, in the
 kernel: no table bytes through this process's memory), and the live chunk map points there from then on.
 
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from cachedemb.modules.checkpoint import fsync_directory
+from cachedemb.storage import rowio
 from cachedemb.storage.format import (
     DATA_OFFSET,
     PAGE,
@@ -340,7 +341,7 @@ class TableFile:
         order = np.argsort(offsets, kind="stable")
         offsets = offsets[order]
         records = torch.empty(ids.size, self.record, dtype=torch.uint8)
-        buf = memoryview(records.numpy()).cast("B")
+        buf = records.numpy()
         spans = _spans(offsets, self.record)
         parts = min(self._readers._max_workers, max(1, spans.size - 1))
         cuts = np.linspace(0, spans.size - 1, parts + 1).astype(np.int64)
@@ -354,20 +355,15 @@ class TableFile:
         self._pending.append(ticket)
         return ticket
 
-    def _read_part(self, buf: memoryview, offsets: np.ndarray, spans: np.ndarray, records, order, sink) -> None:
-        self._read_spans(buf, offsets, spans)
+    def _read_part(self, buf: np.ndarray, offsets: np.ndarray, spans: np.ndarray, records, order, sink) -> None:
+        short = rowio.pread_spans(self.fd, offsets, spans, self.record, buf)
+        if short:
+            at = int(offsets[spans[short - 1]])
+            raise CorruptTableError(f"table file {str(self.path)!r}: the file ends inside the record at offset "
+                                    f"{at} (truncated while open?)")
         if sink is not None:
             a, b = int(spans[0]), int(spans[-1])
             sink(records[a:b], order[a:b])
-
-    def _read_spans(self, buf: memoryview, offsets: np.ndarray, spans: np.ndarray) -> None:
-        rec, fd = self.record, self.fd
-        for a, b in zip(spans[:-1].tolist(), spans[1:].tolist()):
-            want = (b - a) * rec
-            got = os.preadv(fd, [buf[a * rec: b * rec]], int(offsets[a]))
-            if got != want:
-                raise CorruptTableError(f"table file {str(self.path)!r}: read {got} of {want} bytes at offset "
-                                        f"{int(offsets[a])} (truncated while open?)")
 
     def write(self, ids: np.ndarray, records: torch.Tensor) -> IoTicket:
         """Write records [k, record] of rows `ids` (distinct, ascending) on the writer thread, after earlier
@@ -396,11 +392,8 @@ class TableFile:
                 self.live[c] = new
         # Ascending ids: a run of adjacent records (one chunk, consecutive ids) is contiguous in `records` too.
         offsets = self.row_offsets(ids)
-        data = memoryview(records.numpy()).cast("B")
         spans = _spans(offsets, self.record)
-        rec = self.record
-        for a, b in zip(spans[:-1].tolist(), spans[1:].tolist()):
-            self._pwrite_all(data[a * rec: b * rec], int(offsets[a]))
+        rowio.pwrite_spans(self.fd, offsets, spans, self.record, records.numpy())
         self.stats["write_calls"] += int(spans.size - 1)
 
     def _copy_block(self, src: int, dst: int) -> None:
