@@ -468,6 +468,11 @@ class FileBackedEmbeddingBag(nn.Module):
     def optimizer_step(self) -> int:
         return self.inner.optimizer_step
 
+    @property
+    def cache(self):
+        """The device cache (over slab rows)."""
+        return self.inner.cache
+
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, file={str(self.table.path)!r}, "
                 f"host_rows={self.host.base - self.host.first}, cache_rows={self.inner.cache.capacity}, "
