@@ -11,7 +11,7 @@ DynamicEmbeddingBag over its slab: its lookups' raw ids go in unshifted and the 
 
 With `storage=FileStorage(directory, host_cache_bytes)` (cachedemb.storage) every other table is a group of its
 own, a FileBackedEmbeddingBag on `<directory>/<table name>.cemb`; the host cache bytes are split over the tables
-in proportion to their rows x dim.
+in proportion to their rows x dim (at least 64 KiB each).
 
 fx tracing, export, torch.compile and TorchScript: see `cachedemb.collection.capture`.
 """
@@ -47,6 +47,7 @@ torch.fx.wrap("fx_lookup_live")
 
 _STEP = "optimizer.step"
 _META = torch.device("meta")
+_MIN_TABLE_HOST_BYTES = 64 << 10  # a table on file gets at least this much of the host cache
 
 
 class _GroupBag(CachedEmbeddingBag):
@@ -389,7 +390,8 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
             raise FileNotFoundError(f"storage directory {str(directory)!r} of the collection's table files does "
                                     "not exist; create it first")
         weight = [t.num_embeddings * t.embedding_dim for t in self.tables if t.dynamic is None]
-        share = max(1, self.storage.host_cache_bytes * table.num_embeddings * table.embedding_dim // sum(weight))
+        share = max(_MIN_TABLE_HOST_BYTES,
+                    self.storage.host_cache_bytes * table.num_embeddings * table.embedding_dim // sum(weight))
         init = table.table_init()
         if not init.elementwise:
             raise ValueError(f"table {table.name!r} on file: its init_fn cannot be streamed into the file (it must "
