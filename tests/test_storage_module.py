@@ -47,14 +47,15 @@ def host_bytes_for(rows, spec):
     return budget
 
 
-def pair(tmp_path, spec, host_rows, cache_rows, name="t", **kw):
+def pair(tmp_path, spec, host_rows, cache_rows, name="t", windows=True, **kw):
     torch.manual_seed(0)
     weight = torch.randn(N, D)
     ref = cachedemb.CachedEmbeddingBag(N, D, cache_rows=cache_rows, optimizer=spec, _weight=weight.clone(),
                                        device="cpu", **kw)
     ours = cachedemb.CachedEmbeddingBag(N, D, cache_rows=cache_rows, optimizer=spec, _weight=weight.clone(),
                                         device="cpu", **kw, storage=cachedemb.FileStorage(
-                                            tmp_path / f"{name}.cemb", host_cache_bytes=host_bytes_for(host_rows, spec)))
+                                            tmp_path / f"{name}.cemb", host_cache_bytes=host_bytes_for(host_rows, spec),
+                                            device_windows=windows))
     return ref, ours
 
 
@@ -103,17 +104,18 @@ def test_modes_padding_and_weights(tmp_path, mode):
     assert_same_table(ref, ours)
 
 
-@pytest.mark.parametrize("host_rows", [200, 40])
-def test_prefetch_trains_as_in_memory(tmp_path, host_rows):
+@pytest.mark.parametrize("host_rows,windows", [(200, True), (40, True), (200, False)])
+def test_prefetch_trains_as_in_memory(tmp_path, host_rows, windows):
     """Read ahead (depth 2, horizon 4): misses read from the file in the background, windows admitted from the
-    slab; with a host cache too small for the horizon the read-ahead pauses and forwards map their batches."""
-    ref, ours = pair(tmp_path, SPECS["adam"], host_rows, 24, mode="sum")
+    slab (or, without device windows, only the file reads ahead); with a host cache too small for the horizon
+    the read-ahead pauses and forwards map their batches."""
+    ref, ours = pair(tmp_path, SPECS["adam"], host_rows, 24, mode="sum", windows=windows)
     data = batches(seed=5, steps=16)
     expected = [step(ref, *b) for b in data]
     got = [step(ours, *b) for b in cachedemb.prefetch(data, [ours], depth=2, horizon=4)]
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert_same_table(ref, ours)
-    assert ours.cache_stats()["windows"] > 0
+    assert ours.cache_stats()["windows"] > 0 and (ours.cache_stats()["window_rows_in"] > 0) == windows
     # and again, with an eval forward in the middle of the loop
     more = batches(seed=6, steps=8)
     for i, b in enumerate(cachedemb.prefetch(more, [ours], depth=2, horizon=4)):

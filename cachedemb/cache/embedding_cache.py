@@ -143,7 +143,7 @@ class EmbeddingCache:
         self.window_forwards_left = 0
         self.table_starts = self.table_ranks = None  # set_tables(): per-table ranks for the policies
         # A host tier in front of this cache (cachedemb.storage) that fills host rows asynchronously: called
-        # before a window admission reads host rows, so the rows it is still reading land first.
+        # with a window's ids before its admission reads their host rows, so rows still being read land first.
         self.host_fence = None
 
     # ----------------------------------------------------------------- device buffers
@@ -331,7 +331,7 @@ class EmbeddingCache:
         The window's slots are protected at once, so nothing else evicts them meanwhile."""
         start = time.perf_counter()
         if self.host_fence is not None:
-            self.host_fence()
+            self.host_fence(uniq)
         uniq = uniq.to(device=self.device, dtype=torch.int64)
         n = uniq.numel()
         if n > self.capacity:

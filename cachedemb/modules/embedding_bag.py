@@ -378,6 +378,8 @@ class CachedEmbeddingBag(nn.Module):
         through `.data` move no version counter, so while such a holder lives every forward re-reads its rows
         from the host and (fused) every step writes its rows straight back (`_watched`): O(batch), no write can
         be lost. Counted from reference counts: a host-side check, no device sync."""
+        if getattr(self, "_private_table", False):  # a slab owned by a layer in front (cachedemb.storage), whose
+            return False  # I/O threads touch it concurrently: nothing outside can hold it
         own_refs = 3 if self.optimizer is None else 2  # __dict__ (+ _parameters) + getrefcount's argument
         table = self.__dict__["_table"]
         shared = sys.getrefcount(table) > own_refs + 1 or _storage_users(table) > _OWN_STORAGE_USERS

@@ -62,13 +62,17 @@ class FileStorage:
 
     recover: open a file whose last writer died at its last committed snapshot (else that raises
     TableWriterDiedError). rows_per_block: rows per copy-on-write chunk (default ~256 KiB of records).
-    io_threads: reader threads."""
+    io_threads: reader threads. device_windows: under `cachedemb.prefetch`, also hand the read-ahead rows to the
+    device cache's windows (default: for a CUDA cache, where a window overlaps the host->device copies with
+    compute; on CPU the "device" cache is host memory and a window is extra copying, so only the file reads
+    run ahead)."""
 
     path: str | os.PathLike
     host_cache_bytes: int
     recover: bool = False
     rows_per_block: int | None = None
     io_threads: int = 4
+    device_windows: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.host_cache_bytes, bool) or not isinstance(self.host_cache_bytes, int) or \
@@ -157,6 +161,7 @@ class FileBackedEmbeddingBag(nn.Module):
                                    validate_inputs=validate_inputs, count_in_eval=count_in_eval, warmup_ratio=0.0,
                                    **cache_kwargs)
         del slab
+        inner._private_table = True  # the slab is never handed out; reader threads write its rows meanwhile
         object.__setattr__(self, "inner", inner)  # not a child: the state is the file's
         inner.optimizer_step = int(self.table.snapshots[self.table.newest_seq][0].meta.get("optimizer_step", 0))
         self.host = HostRowCache(self.table, inner, rows, first=1)
@@ -239,7 +244,7 @@ class FileBackedEmbeddingBag(nn.Module):
         train = self.training and torch.is_grad_enabled()
         rows_u, inverse = self._batch_rows(flat, keep, train)
         self.host.maybe_resident[rows_u] = True
-        self.host.fence()
+        self.host.fence(rows_u)
         writes = (train and self.optimizer is not None) or self.max_norm is not None or self.count_in_eval
         if writes:
             self.host.dirty[rows_u] = True
@@ -328,6 +333,11 @@ class FileBackedEmbeddingBag(nn.Module):
             self.ahead.append([flat, uniq, rows, seq, inverse])
         if rows is None:
             rows = self.host.find(uniq)
+        windows = self.storage.device_windows
+        if windows is None:
+            windows = self.inner.cache.device.type == "cuda"
+        if not windows:  # the file reads run ahead; the device cache admits per batch
+            return [(self.inner.cache, torch.zeros(0, dtype=torch.int64, device=self.inner.cache.device))]
         # Staging rows (past the budget, transient) are never announced: the pipeline sized its look-ahead
         # by the slab's rows when it started.
         rows = rows[(rows >= 0) & (rows < self.host.base)]

@@ -107,11 +107,13 @@ class HostRowCache:
         self._alloc_arrays(self.base)
         self.free_mask[:first] = False
         self.done_below = 0  # batches with a lower sequence number have run forward and backward
-        self.loads: list[IoTicket] = []
+        self.loads: list[IoTicket] = []  # loads not waited for, oldest first
+        self.load_serial = 0  # loads issued so far; row_load[r]: the one that fills row r
         self.writes: list[tuple[np.ndarray, IoTicket]] = []
         self.stats = dict.fromkeys(("hits", "misses", "evicted", "written_back", "staging_rows", "grown"), 0)
 
     def _alloc_arrays(self, n: int) -> None:
+        self.row_load = np.zeros(n, dtype=np.int64)
         self.maybe_resident = np.zeros(n, dtype=bool)  # handed to the device cache since its copy was dropped
         self.announced = np.full(n, -1, dtype=np.int64)  # the last read-ahead batch whose window may admit it
         self.row_id = np.full(n, -1, dtype=np.int64)
@@ -187,11 +189,23 @@ class HostRowCache:
             cache.host_freq.index_copy_(0, at, layout.count_view(records))
 
         self.loads.append(self.table.read(ids, sink=land))
+        self.load_serial += 1
+        self.row_load[rows] = self.load_serial
 
-    def fence(self) -> None:
-        """Wait until every row being read is in the slab (before the device cache reads slab rows)."""
-        loads, self.loads = self.loads, []
-        for ticket in loads:
+    def fence(self, rows=None) -> None:
+        """Wait until the rows being read into `rows` (default: every row) are in the slab: before the device
+        cache reads slab rows. Loads land in any order; this waits for every load up to the newest one that
+        fills one of `rows`."""
+        if rows is not None:
+            rows = rows.numpy() if torch.is_tensor(rows) else np.asarray(rows)
+            newest = int(self.row_load[rows].max()) if rows.size else 0
+            keep = self.load_serial - newest  # loads issued after it are not needed here
+        else:
+            keep = 0
+        if keep >= len(self.loads):
+            return
+        wait, self.loads = self.loads[: len(self.loads) - keep], self.loads[len(self.loads) - keep:]
+        for ticket in wait:
             ticket.wait()
 
     # ----------------------------------------------------------------- eviction and write-back
@@ -293,6 +307,7 @@ class HostRowCache:
         self.dirty = np.concatenate([self.dirty, np.zeros(extra, dtype=bool)])
         self.maybe_resident = np.concatenate([self.maybe_resident, np.zeros(extra, dtype=bool)])
         self.announced = np.concatenate([self.announced, np.full(extra, -1, dtype=np.int64)])
+        self.row_load = np.concatenate([self.row_load, np.zeros(extra, dtype=np.int64)])
         self.free_mask = np.concatenate([self.free_mask, np.ones(extra, dtype=bool)])
         self.stats["staging_rows"] = max(self.stats["staging_rows"], new - self.base)
         self.stats["grown"] += 1
@@ -308,7 +323,7 @@ class HostRowCache:
         self.table.drain()
         self.writes = []
         self.inner._resize_rows(self.base)
-        for name in ("row_id", "row_step", "dirty", "free_mask", "maybe_resident", "announced"):
+        for name in ("row_id", "row_step", "dirty", "free_mask", "maybe_resident", "announced", "row_load"):
             setattr(self, name, getattr(self, name)[: self.base].copy())
 
     def host_bytes(self) -> int:
