@@ -11,7 +11,7 @@ DynamicEmbeddingBag over its slab: its lookups' raw ids go in unshifted and the 
 
 With `storage=FileStorage(directory, host_cache_bytes)` (cachedemb.storage) every other table is a group of its
 own, a FileBackedEmbeddingBag on `<directory>/<table name>.cemb`; the host cache bytes are split over the tables
-in proportion to their rows x dim (at least 64 KiB each).
+in proportion to their rows x dim (at least 4 KiB each).
 
 fx tracing, export, torch.compile and TorchScript: see `cachedemb.collection.capture`.
 """
@@ -47,7 +47,7 @@ torch.fx.wrap("fx_lookup_live")
 
 _STEP = "optimizer.step"
 _META = torch.device("meta")
-_MIN_TABLE_HOST_BYTES = 64 << 10  # a table on file gets at least this much of the host cache
+_MIN_TABLE_HOST_BYTES = 4 << 10  # a table on file gets at least this much of the host cache (a few rows)
 
 
 class _GroupBag(CachedEmbeddingBag):
