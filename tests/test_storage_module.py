@@ -206,3 +206,24 @@ def test_bad_use_is_refused(tmp_path):
     assert path.read_bytes() == before
     with pytest.raises(ValueError, match="host_cache_bytes"):
         cachedemb.FileStorage(path, host_cache_bytes=0)
+
+
+def test_dropped_module_commits_its_rows(tmp_path):
+    """A module dropped without close() is flushed and committed when collected: the file opens cleanly (no
+    dead writer) with every update; copies are refused (the state is the file)."""
+    import copy
+    import gc
+
+    ref, ours = pair(tmp_path, SPECS["adagrad"], 60, 8, mode="sum")
+    for b in batches(seed=9, steps=5):
+        step(ref, *b), step(ours, *b)
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.deepcopy(ours)
+    store = ours.storage
+    del ours
+    gc.collect()
+    again = cachedemb.CachedEmbeddingBag(N, D, mode="sum", cache_rows=8, optimizer=SPECS["adagrad"], device="cpu",
+                                         storage=store)
+    assert again.optimizer_step == 5
+    assert_same_table(ref, again)
+    again.close()

@@ -27,7 +27,6 @@ for the whole model (the file retains the snapshot the checkpoint names until tw
 """
 from __future__ import annotations
 
-import atexit
 import os
 import time
 import uuid as uuid_lib
@@ -168,7 +167,8 @@ class FileBackedEmbeddingBag(nn.Module):
         inner.cache.host_fence = self.host.fence
         self.seq = 0  # sequence number of the next training batch
         self.ahead: deque = deque()  # read-ahead batches: [flat ids, distinct ids, rows or None, seq, inverse]
-        self._closer = atexit.register(_close_at_exit, weakref.ref(self))
+        # Closed (flushed, committed, released) by close(), when the module is collected, or at exit.
+        self._finalizer = weakref.finalize(self, _close_table, inner, self.host, self.table)
 
     # ----------------------------------------------------------------- the file
     def _open_or_create(self, storage: FileStorage, header: TableHeader, weight, id_freq, padding_idx,
@@ -365,12 +365,14 @@ class FileBackedEmbeddingBag(nn.Module):
         self.inner.optimizer_step = int(self.table.snapshots[seq][0].meta.get("optimizer_step", 0))
 
     def close(self) -> None:
-        """Commit and close the file (also at interpreter exit): the next opening continues from here."""
-        if self.table.closed:
-            return
-        self.flush()
-        self.table.close({"optimizer_step": self.inner.optimizer_step, "closed": True})
-        atexit.unregister(self._closer)
+        """Commit and close the file (also when the module is collected, or at interpreter exit): the next
+        opening continues from here."""
+        self._finalizer()
+
+    def __getstate__(self):
+        raise TypeError(f"a file-backed table (file {str(self.table.path)!r}) cannot be copied or pickled: its "
+                        "state is the file. Save state_dict() (a snapshot descriptor) with cachedemb.save_checkpoint, "
+                        "or export the rows (export_state_dict, to_embedding_bag)")
 
     # ----------------------------------------------------------------- export by streaming
     def iter_rows(self, chunk_rows: int = 1 << 16):
@@ -497,8 +499,11 @@ def _uuid_of(t: torch.Tensor) -> str:
     return bytes(t.to(torch.uint8).tolist()).hex()
 
 
-def _close_at_exit(ref) -> None:
-    module = ref()
-    if module is not None and not module.table.closed:
-        module.close()
+def _close_table(inner: CachedEmbeddingBag, host: HostRowCache, table: TableFile) -> None:
+    """Flush the device and host caches into the file, commit, release it (once)."""
+    if table.closed:
+        return
+    inner.flush()
+    host.flush()
+    table.close({"optimizer_step": inner.optimizer_step, "closed": True})
 
