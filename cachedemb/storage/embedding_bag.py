@@ -336,8 +336,8 @@ class FileBackedEmbeddingBag(nn.Module):
         windows = self.storage.device_windows
         if windows is None:
             windows = self.inner.cache.device.type == "cuda"
-        if not windows:  # the file reads run ahead; the device cache admits per batch
-            return [(self.inner.cache, torch.zeros(0, dtype=torch.int64, device=self.inner.cache.device))]
+        if not windows:  # the file reads run ahead; the device cache is left to its per-batch path (no windows,
+            return []  # whose protection and next-use refresh would re-rank it every window)
         # Staging rows (past the budget, transient) are never announced: the pipeline sized its look-ahead
         # by the slab's rows when it started.
         rows = rows[(rows >= 0) & (rows < self.host.base)]
