@@ -45,7 +45,7 @@ def slab_rows(host_cache_bytes: int, record_bytes: int) -> int:
     """The most slab rows whose records, bookkeeping and index fit in `host_cache_bytes`."""
     best, size = 0, 16
     while 8 * size < host_cache_bytes:
-        rows = min(size // 2, (host_cache_bytes - 8 * size) // (record_bytes + BOOKKEEPING_BYTES))
+        rows = min(size // 4, (host_cache_bytes - 8 * size) // (record_bytes + BOOKKEEPING_BYTES))  # RowIndex
         best = max(best, rows)
         size *= 2
     return best
