@@ -6,7 +6,9 @@ from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagColl
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.materialize import materialize
 from cachedemb.prefetch import prefetch
+from cachedemb.storage.embedding_bag import FileBackedEmbeddingBag, FileStorage, open_table
 
-__all__ = ["CachedEmbeddingBag", "CachedEmbeddingBagCollection", "DynamicEmbeddingBag", "DynamicIds", "TableConfig", "load_checkpoint",
-           "materialize", "optim", "prefetch", "save_checkpoint", "sizing"]
+__all__ = ["CachedEmbeddingBag", "CachedEmbeddingBagCollection", "DynamicEmbeddingBag", "DynamicIds", "FileBackedEmbeddingBag",
+           "FileStorage", "TableConfig", "load_checkpoint", "materialize", "open_table", "optim", "prefetch",
+           "save_checkpoint", "sizing"]
 __version__ = "0.1.0"

@@ -22,6 +22,7 @@ LAYERS = [
     ("cachedemb.modules", 2),
     ("cachedemb.sizing", 2),
     ("cachedemb.dynamic", 3),
+    ("cachedemb.storage", 3),
     ("cachedemb.collection", 4),
     ("cachedemb.prefetch", 4),
     ("cachedemb.materialize", 5),
@@ -195,7 +196,8 @@ def test_wheel_lists_every_package():
                                                                        if k != "cachedemb"}
 
 
-@pytest.mark.parametrize("package", ["cache", "modules", "collection", "dynamic", "distributed", "tools", "sizing"])
+@pytest.mark.parametrize("package", ["cache", "modules", "collection", "dynamic", "distributed", "storage", "tools",
+                                     "sizing"])
 def test_subpackage_says_what_it_owns_and_may_import(package):
     doc = ast.get_docstring(ast.parse((ROOT / "cachedemb" / package / "__init__.py").read_text()))
     assert doc and re.search(r"may import|imports? this package|nothing in `?cachedemb`? imports", doc, re.I)

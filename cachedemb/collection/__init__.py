@@ -5,5 +5,6 @@ Owns the collection (tables grouped by dim, pooling and dtype, one CachedEmbeddi
 by `cachedemb.sizing`), and its capture glue (fx node, export custom op, TorchScript refusal).
 torchrec is optional: it is imported only when a torchrec object comes in or goes out.
 
-May import: `cachedemb.modules`, `cachedemb.dynamic`, `cachedemb.cache`, `cachedemb.optim`, `cachedemb.sizing`.
+May import: `cachedemb.modules`, `cachedemb.dynamic`, `cachedemb.storage` (tables on file), `cachedemb.cache`,
+`cachedemb.optim`, `cachedemb.sizing`.
 """

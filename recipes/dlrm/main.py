@@ -84,6 +84,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0 = off)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir/latest.pt")
+    p.add_argument("--table-dir", default=None,
+                   help="keep the embedding tables in files here (cachedemb.FileStorage: tables larger than host "
+                        "memory); with --resume the files continue from the checkpoint's snapshots")
+    p.add_argument("--host-cache-mb", type=int, default=1024,
+                   help="with --table-dir: host memory for cached rows of all tables together (MiB)")
     p.add_argument("--stop-after-steps", type=int, default=None, help=argparse.SUPPRESS)  # simulates a crash
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=None, help="preprocessing processes (default: all cores)")
@@ -102,6 +107,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise ValueError(f"--cache-ratio must be in (0, 1], got {args.cache_ratio}")
     if args.cache_budget is not None:
         args.cache_budget = sizing.parse_bytes(args.cache_budget)
+    if args.table_dir is not None:
+        if args.host_cache_mb < 1:
+            raise ValueError(f"--host-cache-mb must be >= 1, got {args.host_cache_mb}")
+        existing = sorted(Path(args.table_dir).glob("*.cemb")) if Path(args.table_dir).is_dir() else []
+        if existing and not args.resume:
+            raise ValueError(f"--table-dir {args.table_dir!r} already holds table files ({existing[0].name}, ...): "
+                             "continue them with --resume, or give an empty directory")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise ValueError("--checkpoint-every/--resume need --checkpoint-dir")
     args.lr_schedule = LRSchedule(args.lr_warmup_steps, args.lr_decay_start, args.lr_decay_steps)
@@ -224,8 +236,18 @@ def build(args, preset: RunPreset, meta: dict, data_dir: Path):
     if args.cache_budget is not None:
         args.sizing_plan = size_caches(args, config, sparse_opt, data_dir)
         sized = {"cache_rows": args.sizing_plan.cache_rows}
+    storage = {}
+    if args.table_dir is not None:
+        if distributed:
+            raise ValueError("--table-dir with a sharded (torchrun) run is not supported yet: each rank would need "
+                             "the file of its own shard; run one process, or keep the tables in memory")
+        Path(args.table_dir).mkdir(parents=True, exist_ok=True)
+        # On --resume the previous run may have died with the files open: its last snapshots are intact and
+        # the checkpoint names the one to continue from.
+        storage["storage"] = cachedemb.FileStorage(args.table_dir, host_cache_bytes=args.host_cache_mb << 20,
+                                                   recover=bool(args.resume))
     model = DLRM(config, cache_ratio=args.cache_ratio, optimizer=sparse_opt, id_freq=id_freq,
-                 device=torch.device(args.device), sparse_arch=sparse_arch, **sized)
+                 device=torch.device(args.device), sparse_arch=sparse_arch, **sized, **storage)
     if distributed:
         from cachedemb.distributed import shard
 
@@ -551,6 +573,14 @@ def _run(args, preset: RunPreset) -> dict:
     meta = load_metadata(data_dir)
     train_split, val_split = PreprocessedSplit(data_dir, "train"), PreprocessedSplit(data_dir, "val")
     model, dense_opt = build(args, preset, meta, data_dir)
+    try:
+        return _train_and_evaluate(args, model, dense_opt, train_split, val_split)
+    finally:
+        if args.table_dir is not None:
+            _inner(model).sparse_arch.close()  # commits the tables' files and releases them
+
+
+def _train_and_evaluate(args, model, dense_opt, train_split, val_split) -> dict:
     position = {"epoch": 0, "batch": 0, "step": 0}
     if args.resume:
         position = resume(Path(args.checkpoint_dir), model, dense_opt, args)
