@@ -10,8 +10,9 @@ Every counted op is attributed to the innermost frame of the library that issued
 
 - `launches`: issued by the library (cachedemb/, kernels/), forward, backward (called by autograd) and, with
   the prefetch pipeline, window admission (the cache operations it calls): the budget;
-- `host_pipeline`: issued by cachedemb/prefetch.py itself: the read-ahead bookkeeping over the host copies of a
-  DataLoader's ids (unique ids, next uses, unions), host work when the cache is on a GPU, reported apart;
+- `host_pipeline`: issued by cachedemb/prefetch.py outside the cache and the kernels: the read-ahead bookkeeping
+  over the host copies of a DataLoader's ids (extracting them, unique ids, next uses, unions), host work when the
+  cache is on a GPU, reported apart;
 - `caller`: the training loop's own ops (`out.sum()`, autograd's gradient seed).
 
 `measure_step` builds the budget's configuration (one table, fused Adagrad, sync-free sizing, Triton backend,
@@ -36,16 +37,26 @@ _TOOLS = str(_ROOT / "cachedemb" / "tools") + os.sep
 _HOST_PIPELINE = str(_ROOT / "cachedemb" / "prefetch.py")
 
 
+_DEVICE_LAYERS = (str(_ROOT / "cachedemb" / "cache") + os.sep, str(_ROOT / "kernels") + os.sep)
+
+
 def _library_site(depth: int = 2) -> tuple[str, str] | None:
-    """(bucket, 'file:function') of the innermost library frame that is not this tool, or None (the caller)."""
+    """(bucket, 'file:function') of the innermost library frame that is not this tool, or None (the caller). An op
+    the prefetch pipeline issues outside the cache and the kernels (its read-ahead over the batches' host ids,
+    the modules' id extraction for it) is host work: bucket `host_pipeline`."""
     frame = sys._getframe(depth)
+    site = None
     while frame is not None:
         path = frame.f_code.co_filename
         if path.startswith(_LIBRARY) and not path.startswith(_TOOLS):
-            site = f"{Path(path).relative_to(_ROOT)}:{frame.f_code.co_name}"
-            return ("host_pipeline" if path == _HOST_PIPELINE else "launches"), site
+            if site is None:
+                site = f"{Path(path).relative_to(_ROOT)}:{frame.f_code.co_name}"
+                if path.startswith(_DEVICE_LAYERS):
+                    return "launches", site
+            if path == _HOST_PIPELINE:
+                return "host_pipeline", site
         frame = frame.f_back
-    return None
+    return None if site is None else ("launches", site)
 
 
 @dataclass
@@ -103,10 +114,14 @@ class LaunchCounter:
     >>> counter.counts.launches
     """
 
-    def __init__(self):
+    def __init__(self, execute: bool = True):
         self.counts = LaunchCounts()
         self.active = False
         self.in_kernel = 0
+        # execute=False (Triton's CPU interpreter only): count the launches without running the kernels. Valid
+        # where no host decision reads a device value (the sync-free mode): the launch sequence is then the same
+        # whatever the kernels compute (measure_step checks it against a run that executes).
+        self.execute = execute
         self._stack = contextlib.ExitStack()
 
     def reset(self) -> None:
@@ -128,6 +143,8 @@ class LaunchCounter:
         def run(fn, *args, **kwargs):
             if counter.active and counter.in_kernel == 0:
                 counter.counts.add(f"triton.{fn.fn.__name__}", True, _library_site())
+            if not counter.execute and cls.__name__ == "InterpretedFunction":
+                return None
             counter.in_kernel += 1
             try:
                 return real(fn, *args, **kwargs)
@@ -174,12 +191,17 @@ def zipf_batches(n: int, num_rows: int, bags: int, bag_len: int, seed: int = 0) 
 
 def measure_step(bags: int = 64, bag_len: int = 26, num_rows: int = 200_000, cache_rows: int = 4000,
                  dim: int = 16, prefetch: tuple[int, int] | None = None, warmup: int = 6, steps: int = 4,
-                 backend: str = "triton", sync_free: bool = True, optimizer=None, seed: int = 0) -> dict:
+                 backend: str = "triton", sync_free: bool = True, optimizer=None, seed: int = 0,
+                 execute: bool = True) -> dict:
     """Launches per steady-state training step (forward, `out.sum().backward()` with the fused optimizer).
 
     `prefetch=(depth, horizon)` runs the batches through `cachedemb.prefetch`: then `warmup` and `steps` are
     rounded up to whole windows, and every `next()` of the pipeline (window admission) is counted too.
-    Needs TRITON_INTERPRET=1 (set before triton is imported) for the Triton backend on CPU."""
+    Needs TRITON_INTERPRET=1 (set before triton is imported) for the Triton backend on CPU. `execute=False`
+    counts without running the Triton kernels (see LaunchCounter; the interpreter takes ~1 min a step at 64 x 26,
+    mostly in the backward's per-id loop): sync-free only."""
+    if not execute and not sync_free:
+        raise ValueError("execute=False counts only the sync-free mode, whose launches do not depend on values")
     import cachedemb
     from cachedemb import optim
 
@@ -197,7 +219,7 @@ def measure_step(bags: int = 64, bag_len: int = 26, num_rows: int = 200_000, cac
         source = (cachedemb.prefetch(batches, [emb], depth=prefetch[0], horizon=prefetch[1])
                   if prefetch is not None else batches)
         it = iter(source)
-        with LaunchCounter() as counter:
+        with LaunchCounter(execute) as counter:
             for step in range(warmup + steps):
                 counter.active = step >= warmup
                 ids, offsets = next(it)
@@ -207,6 +229,6 @@ def measure_step(bags: int = 64, bag_len: int = 26, num_rows: int = 200_000, cac
                 it.close()
     out = counter.counts.per_step(steps)
     out.update(bags=bags, bag_len=bag_len, num_rows=num_rows, cache_rows=cache_rows, dim=dim, backend=backend,
-               sync_free=sync_free, prefetch=None if prefetch is None else {"depth": prefetch[0],
-                                                                              "horizon": prefetch[1]})
+               sync_free=sync_free, executed=execute,
+               prefetch=None if prefetch is None else {"depth": prefetch[0], "horizon": prefetch[1]})
     return out
