@@ -1,16 +1,17 @@
 """A batch's placement under the CUDA rules: a fixed sequence of fused launches, no host read, no Python loop over
 ids (the host-count path, CPU outside the sync-free mode, stays in embedding_cache.py).
 
-| launch | what it does |
-|---|---|
-| `torch.zeros` | the batch's counters (unique_ids', place's, slot_rank's), one buffer |
-| `torch.empty` | the batch's int64 buffers (unique outputs, locations, ranks, the row moves, the sort keys), one buffer |
-| `torch.sort` + 2 (`unique_ids`) | distinct ids, inverse, counts, the lookups grouped by id |
-| `place_lookup` | index lookup; hits marked (protected for the batch); counts; miss ranks; rebuild decision |
-| `index_rebuild` (2, gated) | clear the index and re-insert the resident ids, when it could pass its load limit |
-| `pool_rank` (8 + `torch.sort`) | the pool checked; the whole cache ranked (6 radix passes, a compaction) only when the pool cannot serve the batch; the pool in ascending score |
-| `place_commit` | victims out of the index, misses in (compare-and-swap), slot metadata, counts of hits and host-served misses, the row moves recorded |
-| `row_move` | dirty victims' rows, state and counts to the host; the misses' rows in (per batch; a window's run later, in `transfer_window`) |
+launch (count): what it does
+- `torch.zeros`, `torch.empty` (2): the batch's counters and its int64 buffers, one allocation each
+- `torch.sort` + 2 kernels (`unique_ids`): distinct ids, inverse, counts, the lookups grouped by id
+- `place_lookup` (1): index lookup; hits marked (protected for the batch); counts; miss ranks; rebuild decision
+- `index_rebuild` (2, gated): clear the index and re-insert the resident ids, when it could pass its load limit
+- `pool_rank` (8 + `torch.sort`): the pool checked; the whole cache ranked (6 radix passes, a compaction) only
+  when the pool cannot serve the batch; the pool in ascending score
+- `place_commit` (1): victims out of the index, misses in (compare-and-swap), slot metadata, counts of hits and
+  host-served misses, the row moves recorded
+- `row_move` (1, by the cache): dirty victims' rows, state and counts to the host, the misses' rows in (a
+  window's later, in `transfer_window`)
 
 Same results as the host-count path: the same victims in the same order, the same rows in the same slots; only
 the id index's layout may differ (it depends on the order the GPU runs the inserts in; every lookup answers the
@@ -36,7 +37,8 @@ class BatchBuffers:
         self.U = U
         u_out, u_aux = unique_buffers(B, device) if with_unique else (0, 0)
         n_bmiss = place.bmiss_size(U, device)
-        sizes = [("unique", u_out), ("loc_u", U), ("bmiss", n_bmiss), ("sortbuf", cap), ("bag", B if with_unique else 0)] + \
+        sizes = [("unique", u_out), ("loc_u", U), ("bmiss", n_bmiss), ("sortbuf", cap),
+                 ("bag", B if with_unique else 0)] + \
                 [(name, U) for name in ("victims", "old_ids", "dirty_ids", "miss_ids", "miss_dest", "add")]
         total = sum(n for _, n in sizes)
         flat = torch.empty(max(total, 1), dtype=torch.int64, device=device)
@@ -53,38 +55,33 @@ class BatchBuffers:
         return (self.victims, self.old_ids, self.dirty_ids, self.miss_ids, self.miss_dest, self.add)
 
 
-def _stat_index(cache) -> dict[str, int]:
-    from cachedemb.cache.embedding_cache import STAT_NAMES
-    return {name: STAT_NAMES.index(name) for name in place.STAT_KEYS}
-
-
 def unique(cache, ids: torch.Tensor, padding_idx, bufs: BatchBuffers):
     """unique_ids into the batch's buffers (the Triton path; the reference allocates its own)."""
     return kernels.unique_ids(ids, padding_idx, return_groups=True, buffers=(bufs.unique, bufs.unique_aux))
 
 
 def place_batch(cache, uniq, n_uniq, policy: Policy, bufs: BatchBuffers, sizes, counts=None, train: bool = False,
-                count_lookups: bool = False, transfer: bool = True, admit: bool = True):
-    """Find or admit the first n_uniq ids of `uniq` ([U]); returns (loc_u, n_hit, n_miss, move). Same contract as
-    EmbeddingCache._place; `sizes` = pool.device_sizes(policy, U) (taken before `bufs` were sized by it);
+                count_lookups: bool = False, admit: bool = True):
+    """Find or admit the first n_uniq ids of `uniq` ([U]); returns (loc_u, n_hit, n_miss, move), `move` the
+    RowMove's fields (victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest, n_miss): the caller moves the
+    rows (adding bufs.add to the admitted counts with `train`). Same contract as EmbeddingCache._place;
+    `sizes` = pool.device_sizes(policy, U) (taken before `bufs` were sized by it);
     `counts` (the batch's lookups per id) and `train` bump counts and recency (hits and admitted rows in the
     cache, host-served rows on the host), `count_lookups` the lookup statistics. `admit=False` (a batch of a
     prefetch window, all hits): no victim is chosen and no row moves (misses, should there be any, are served
     from the host): lookup and commit only."""
-    from cachedemb.cache.embedding_cache import RowMove
-
     C = cache.capacity
     U = uniq.numel()
     counters = bufs.counters
     counts = counts if counts is not None else uniq
-    stat_index = _stat_index(cache)
+    stat_index = cache.stat_index
     kernels.place_lookup(cache.index_keys, uniq, counts, n_uniq, cache.protected, cache.hit_mark, bufs.loc_u,
                          bufs.bmiss, counters, cache.stats, stat_index, cache.index_used, cache._n_protected,
                          cache._index_limit, count_lookups, admit)
     n_hit = counters[place.N_HIT:place.N_HIT + 1]
     n_miss = counters[place.N_MISS:place.N_MISS + 1]
     n_admit = counters[place.N_ADMIT:place.N_ADMIT + 1]
-    move = RowMove(bufs.victims, n_admit, bufs.old_ids, bufs.dirty_ids, bufs.miss_ids, bufs.miss_dest, n_miss)
+    move = (bufs.victims, n_admit, bufs.old_ids, bufs.dirty_ids, bufs.miss_ids, bufs.miss_dest, n_miss)
     if not admit:
         kernels.place_commit(cache.index_keys, uniq, counts, n_uniq, bufs.loc_u, bufs.bmiss, bufs.loc_u,
                              bufs.loc_u, counters, cache.slot_ids, cache.slot_freq, cache.slot_last_use, cache.dirty,
@@ -112,8 +109,6 @@ def place_batch(cache, uniq, n_uniq, policy: Policy, bufs: BatchBuffers, sizes, 
                          counters, cache.slot_ids, cache.slot_freq, cache.slot_last_use, cache.dirty, cache.hit_mark,
                          cache.host_freq, bufs.move(), cache.stats, stat_index, cache.index_used, cache.batch_counter,
                          train)
-    if transfer:
-        cache._move_rows(move, add=bufs.add if train else None)
     return bufs.loc_u, n_hit, n_miss, move
 
 

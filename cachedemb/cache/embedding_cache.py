@@ -125,6 +125,7 @@ class EmbeddingCache:
         self.batch_counter = 0
         self._allocate(self.capacity)
         self.stats = torch.zeros(len(STAT_NAMES), dtype=torch.int64, device=self.device)
+        self.stat_index = _STAT  # name -> position in `stats`, for kernels that add to them
         # Optional bounded per-batch history: a ring of cumulative counters, written on the device (no sync).
         if history < 0:
             raise ValueError(f"history must be >= 0 batches, got {history}")
@@ -315,8 +316,10 @@ class EmbeddingCache:
         (a miss there, should the ids differ from those read ahead, is served from the host: still exact)."""
         sizes, bufs = device_place.batch(self, self.policy, ids.numel(), with_unique=True, admit=admit)
         uniq, inverse, counts, n_uniq, groups = device_place.unique(self, ids, padding_idx, bufs)
-        loc_u, _, _, _ = device_place.place_batch(self, uniq, n_uniq, self.policy, bufs, sizes, counts=counts,
-                                                  train=train, count_lookups=True, admit=admit)
+        loc_u, _, _, move = device_place.place_batch(self, uniq, n_uniq, self.policy, bufs, sizes, counts=counts,
+                                                     train=train, count_lookups=True, admit=admit)
+        if admit:
+            self._move_rows(RowMove(*move), add=bufs.add if train else None)
         plan = BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation, groups, bufs.bag)
         return self._finish_prepare(plan, train, start)
 
@@ -468,12 +471,15 @@ class EmbeddingCache:
         """Find or admit each of the first n_uniq ids of `uniq`; returns (loc_u, live, n_hit, n_miss, move).
 
         Protected slots and this set's hits are never victims; misses beyond the free slots are served from
-        the host (loc = HOST_LOC - id). With `transfer=False` the row copies are returned (`move`) instead of done; the slot
-        metadata is updated either way."""
+        the host (loc = HOST_LOC - id). With `transfer=False` the row copies are returned (`move`) instead of
+        done; the slot metadata is updated either way. Under the CUDA rules this is cachedemb/cache/device_place.py's
+        fixed launch sequence (the same victims in the same order)."""
         if not self._early_exit():
             sizes, bufs = device_place.batch(self, policy, uniq.numel(), with_unique=False)
-            loc_u, n_hit, n_miss, move = device_place.place_batch(self, uniq, n_uniq, policy, bufs, sizes,
-                                                                  transfer=transfer)
+            loc_u, n_hit, n_miss, move = device_place.place_batch(self, uniq, n_uniq, policy, bufs, sizes)
+            move = RowMove(*move)
+            if transfer:
+                self._move_rows(move)
             return loc_u, torch.arange(uniq.numel(), device=self.device) < n_uniq, n_hit, n_miss, move
         dev = self.device
         cap = uniq.numel()
