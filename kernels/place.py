@@ -255,7 +255,7 @@ def place_commit_kernel(p_keys, p_uniq, p_counts, p_n_uniq, p_loc, p_bmiss, p_or
     else:
         tl.store(o_add + b_rank, tl.zeros_like(b_count), mask=m_miss)
     m_host = m_miss & (m_ok == 0)
-    tl.store(p_loc + o_u, tl.where(m_ok, b_v, HOST_LOC - b_id), mask=m_miss)
+    tl.store(p_loc + o_u, tl.where(m_ok, b_v, -2 - b_id), mask=m_miss)  # HOST_LOC - id
     if TRAIN:
         b_hf = tl.load(p_host_freq + b_id, mask=m_host, other=0)
         tl.store(p_host_freq + b_id, b_hf + b_count, mask=m_host)

@@ -345,16 +345,19 @@ def row_move_torch(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirty
 @triton.jit
 def move_rows(p_dev, p_host, D, R_dev, R_host, b_v, m_out, b_dirty, b_dest, m_in, b_mid, BLOCK_D: tl.constexpr):
     """Rows of one (device, host) pair: victim row b_v to host row b_dirty (m_out), then host row b_mid into slot
-    b_dest (m_in); for one row both run in this order, by the same threads."""
+    b_dest (m_in); an element is moved out and in by the same thread, in this order (the tiles match)."""
     m_out = m_out & (b_v < R_dev) & (b_dirty < R_host)
     m_in = m_in & (b_dest < R_dev) & (b_mid < R_host)
     for d0 in range(0, D, BLOCK_D):
         o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)
-        m_d = (o_d < D)[None, :]
-        b_x = tl.load(p_dev + b_v[:, None] * D + o_d[None, :], mask=m_out[:, None] & m_d)
-        tl.store(p_host + b_dirty[:, None] * D + o_d[None, :], b_x, mask=m_out[:, None] & m_d)
-        b_y = tl.load(p_host + b_mid[:, None] * D + o_d[None, :], mask=m_in[:, None] & m_d)
-        tl.store(p_dev + b_dest[:, None] * D + o_d[None, :], b_y, mask=m_in[:, None] & m_d)
+        m_t = m_out[:, None] & (o_d < D)[None, :]
+        b_x = tl.load(p_dev + b_v[:, None] * D + o_d[None, :], mask=m_t)
+        tl.store(p_host + b_dirty[:, None] * D + o_d[None, :], b_x, mask=m_t)
+    for d0 in range(0, D, BLOCK_D):
+        o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)
+        m_t = m_in[:, None] & (o_d < D)[None, :]
+        b_y = tl.load(p_host + b_mid[:, None] * D + o_d[None, :], mask=m_t)
+        tl.store(p_dev + b_dest[:, None] * D + o_d[None, :], b_y, mask=m_t)
 
 
 @triton.jit(do_not_specialize=["cap", "R_dev", "R_host"])
@@ -410,8 +413,8 @@ def row_move_triton(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirt
         d2, h2 = _as_rows(d), _as_rows(h)
         args += [d2, h2, d2.shape[1]]
         blocks.append(max(1, min(triton.next_power_of_2(d2.shape[1]), 128)))
-    if gpu_shapes(dev):
-        block_r = max(16, 2048 // max(blocks))
+    if gpu_shapes(dev):  # 1024-element tiles: four index vectors stay live across the pairs' loops
+        block_r = max(8, 1024 // max(blocks))
     else:  # the interpreter: few, large programs
         block_r = min(4096, max(16, triton.next_power_of_2(cap)))
     grid = (persistent_programs(dev, triton.cdiv(cap, block_r)),)
