@@ -62,9 +62,16 @@ class _PooledLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, owner, plan: BatchPlan, bags: BagInput, weight, psw, anchor):
         cache = owner.cache
+        # the fused backward reads each lookup's bag (and a mean each bag's size) as the forward records them
+        record = plan.bag is not None and owner.optimizer is not None and anchor is not None
+        count = None
+        if record and bags.mode == kernels.MODE_MEAN:
+            count = torch.empty(bags.offsets.numel() - 1, dtype=kernels.acc_dtype(cache.dtype), device=cache.device)
         out, max_pos = kernels.pooled_forward(cache.rows, plan.loc_u, plan.inverse, bags.offsets, bags.mode, psw,
-                                              cache.host_weight)
+                                              cache.host_weight, bag_out=plan.bag if record else None,
+                                              count_out=count)
         ctx.owner, ctx.plan, ctx.bags, ctx.max_pos = owner, plan, bags, max_pos
+        ctx.recorded, ctx.bag_count = record, count
         ctx.save_for_backward(psw)
         if bags.lead or bags.trail:
             out = out[bags.lead: out.shape[0] - bags.trail]  # phantom bags of unvalidated offsets
@@ -86,7 +93,8 @@ class _PooledLookup(torch.autograd.Function):
                 "pipeline for the next batch)."
             )
         grad_out = grad_out.contiguous()
-        if bags.lead or bags.trail:
+        fused_phantoms = fused and ctx.recorded and not (psw is not None and ctx.needs_input_grad[4])
+        if (bags.lead or bags.trail) and not fused_phantoms:
             dim = grad_out.shape[1]
             grad_out = torch.cat([grad_out.new_zeros(bags.lead, dim), grad_out, grad_out.new_zeros(bags.trail, dim)])
         grad_psw = None
@@ -105,11 +113,15 @@ class _PooledLookup(torch.autograd.Function):
             rule = owner.optimizer.rule(owner.optimizer_step)
             names = list(cache.host_states)
             extra = {"grad_scale_u": grad_scale} if grad_scale is not None else {}
+            if ctx.recorded:
+                extra.update(bag=plan.bag, bag_count=ctx.bag_count, dirty=cache.dirty)
+            if fused_phantoms:
+                extra.update(grad_lead=bags.lead, grad_trail=bags.trail)
             kernels.backward_update(cache.rows, [cache.states[k] for k in names], plan.loc_u, plan.n_uniq, grad_out,
                                     plan.inverse, bags.offsets, bags.mode, psw_values, ctx.max_pos, rule,
                                     cache.host_weight, [cache.host_states[k] for k in names], groups=plan.groups,
                                     **extra)
-            cache.mark_dirty(plan)
+            cache.mark_dirty(plan, marked=ctx.recorded)
             if owner._watched:
                 cache.write_through(plan)
         elif ctx.needs_input_grad[3]:
@@ -359,7 +371,7 @@ class CachedEmbeddingBag(nn.Module):
                                    include_last_offset=self.include_last_offset,
                                    num_embeddings=self.num_embeddings, device=cache.device,
                                    validate=self.validate_inputs, padding_idx=self.padding_idx,
-                                   table_dtype=cache.dtype)
+                                   table_dtype=cache.dtype, count_into=cache.invalid_counts())
         watched = self._table_shared()
         table = self._table
         train = torch.is_grad_enabled()
