@@ -28,9 +28,9 @@ from cachedemb.sizing.shards import TableTrace, merge
 from cachedemb.sizing.split import Split, TableCost, split_budget
 
 #: Device bytes per cached row beside its row and optimizer state, an upper bound over cache sizes: slot id,
-#: count, last use, next use (8 B each), dirty and protected flags (1 B each), a victim-pool candidate (8 B) and
-#: the id index (a power-of-two table of >= 2 positions per row, 8 B each: at most 32 B per row).
-SLOT_METADATA_BYTES = 74
+#: count, last use, next use (8 B each), dirty, protected and hit flags (1 B each), a victim-pool candidate (8 B)
+#: and the id index (a power-of-two table of >= 2 positions per row, 8 B each: at most 32 B per row).
+SLOT_METADATA_BYTES = 75
 #: Bytes a moved row carries beside its row and state: its access count (cache_stats()["bytes_in"]).
 COUNT_BYTES = 8
 #: Kept per-batch distinct ids per table under which a trace stays exact with ``max_unique="auto"``.
