@@ -41,7 +41,13 @@ def _table_module(collection: CachedEmbeddingBagCollection, index: int) -> Cache
                                     dtype=t.dtype, cache_rows=min(t.num_embeddings, group_capacity),
                                     optimizer=kw["optimizer"], warmup_ratio=0.0, _init=t.table_init())
         module._shard_local = True
+        if collection.storage is not None:  # each rank's rows of the table go to a file of its own
+            module.file_storage = collection.table_storage(index)
         return module
+    if collection.storage is not None:
+        raise ValueError("a collection with storage=FileStorage(...) is sharded from the meta device: build it with "
+                         "device='meta' (shard() then creates each rank's file of its rows; built on a device, "
+                         "every rank would hold whole-table files)")
     group_bag = collection.bags[g]
     state = {}
     collection._save_table(index, state, "")
@@ -187,6 +193,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for bag in self.embedding_bags.values():
             if bag.shard is not None:
                 bag.shard.reset_cache_stats()
+
+    def close(self) -> None:
+        """Commit and close this rank's table files (tables on file); nothing for tables in memory."""
+        for bag in self.embedding_bags.values():
+            if getattr(bag, "on_file", False) and bag.shard is not None:
+                bag.shard.close()
 
     def extra_repr(self) -> str:
         return ", ".join(f"{name}: {m.sharding.describe()}" for name, m in self.embedding_bags.items())

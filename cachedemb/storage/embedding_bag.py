@@ -43,7 +43,7 @@ from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.modules.errors import InvalidIdError, InvalidInputTypeError, NotATensorError
 from cachedemb.modules.factory import register_storage
 from cachedemb.modules.input_check import integer_arg, size_arg
-from cachedemb.modules.meta_init import TableInit, iter_init_chunks
+from cachedemb.modules.meta_init import TableInit, iter_init_range
 from cachedemb.kernels import id_index
 from cachedemb.optim import SparseOptimizer
 from cachedemb.storage.format import TableHeader, TableMismatchError, dtype_name
@@ -101,7 +101,7 @@ class FileBackedEmbeddingBag(nn.Module):
                  optimizer: SparseOptimizer | None = None, _freeze: bool = False, cache_ratio: float = 0.01,
                  cache_rows: int | None = None, id_freq: torch.Tensor | None = None, warmup_ratio: float = 0.7,
                  validate_inputs: bool = True, freq_halflife: int | None = None, count_in_eval: bool = False,
-                 _init: TableInit | None = None, **cache_kwargs):
+                 _init: TableInit | None = None, _shard: dict | None = None, **cache_kwargs):
         super().__init__()
         if not isinstance(storage, FileStorage):
             raise TypeError(f"storage must be a cachedemb.FileStorage, got {type(storage).__name__}")
@@ -140,8 +140,13 @@ class FileBackedEmbeddingBag(nn.Module):
         self.padding_idx = padding_idx
         self.optimizer = optimizer
         self.storage = storage
+        if _shard is not None and _shard["end"] - _shard["start"] != num_embeddings:
+            raise ValueError(f"a shard of rows [{_shard['start']}, {_shard['end']}) has "
+                             f"{_shard['end'] - _shard['start']} rows, not {num_embeddings}")
+        # _shard (cachedemb.distributed): this file holds one rank's rows [start, end) of a larger table; ids are
+        # local to the range, and a new file draws the whole table's init stream, keeping those rows.
         header = TableHeader(num_embeddings, embedding_dim, dtype, state_columns(optimizer, embedding_dim),
-                             repr(optimizer) if optimizer is not None else "", 1, "", "", 0.0)
+                             repr(optimizer) if optimizer is not None else "", 1, "", "", 0.0, _shard)
         record = header.layout.record_bytes
         rows = min(num_embeddings, slab_rows(storage.host_cache_bytes, record) - 1)  # and the padding row
         if rows < 1:
@@ -186,8 +191,9 @@ class FileBackedEmbeddingBag(nn.Module):
         rpb = storage.rows_per_block or max(1, BLOCK_TARGET_BYTES // record)
         how = "weight" if weight is not None else "normal"
         header = TableHeader(header.num_rows, header.dim, header.dtype, header.state_cols, header.optimizer,
-                             rpb, uuid_lib.uuid4().hex, how, time.time())
+                             rpb, uuid_lib.uuid4().hex, how, time.time(), header.shard)
         init = init or TableInit.normal(padding_idx)
+        first = header.shard["start"] if header.shard is not None else 0  # global id of row 0
         if weight is None and not init.elementwise:
             raise ValueError("a file-backed table streams its initial rows: its init must draw element by "
                              "element (normal_, uniform_); give other rows as _weight")
@@ -196,7 +202,10 @@ class FileBackedEmbeddingBag(nn.Module):
             freq = torch.as_tensor(id_freq)
             if freq.shape != (header.num_rows,) or freq.is_floating_point() or bool((freq < 0).any()):
                 raise ValueError(f"id_freq must be non-negative integer counts of shape ({header.num_rows},)")
-        stream = iter_init_chunks(init, header.num_rows * header.dim, header.dtype) if weight is None else None
+        stream = None
+        if weight is None:
+            total = header.shard["table_rows"] if header.shard is not None else header.num_rows
+            stream = iter_init_range(init, total, header.dim, header.dtype, first, first + header.num_rows)
         carry = [torch.empty(0, dtype=header.dtype)]
 
         def fill(start, stop):
@@ -211,8 +220,9 @@ class FileBackedEmbeddingBag(nn.Module):
                     parts.append(part)
                     need -= part.numel()
                 rows = torch.cat(parts).view(stop - start, header.dim)
-                if padding_idx is not None and start <= padding_idx < stop:
-                    rows[padding_idx - start].zero_()
+                pad = init.padding_idx
+                if pad is not None and start <= pad - first < stop:
+                    rows[pad - first - start].zero_()
             states = {name: torch.full((stop - start, cols), value, dtype=header.layout.state_dtype)
                       for name, cols, value in header.state_cols}
             counts = freq[start:stop].to(torch.int64) if freq is not None else torch.zeros(stop - start,
