@@ -80,6 +80,17 @@ def _dynamic_table_module(collection: CachedEmbeddingBagCollection, index: int) 
     return module
 
 
+def _add_stats(total: dict, stats: dict) -> None:
+    """Counters summed key by key (a table on file adds its `host_cache` and `file` counters, nested)."""
+    for k, v in stats.items():
+        if k == "seconds":
+            continue
+        if isinstance(v, dict):
+            _add_stats(total.setdefault(k, {}), v)
+        else:
+            total[k] = total.get(k, 0) + v
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     """The sharded equivalent of a CachedEmbeddingBagCollection: KJT (or dict {feature: (values, offsets)}) in,
     KeyedTensor (or dict {key: pooled}) out, each rank with its own local batch size."""
@@ -184,9 +195,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         total: dict = {}
         for bag in self.embedding_bags.values():
             if bag.shard is not None:
-                for k, v in bag.shard.cache_stats().items():
-                    if k != "seconds":
-                        total[k] = total.get(k, 0) + v
+                _add_stats(total, bag.shard.cache_stats())
         return total
 
     def reset_cache_stats(self) -> None:
