@@ -3,7 +3,8 @@ gloo ranks keeps each rank's rows in a file of its own (`<stem>.rank<r>of<w>.cem
 in its header), starts from the rows one process draws, and trains exactly as the one-process in-memory model
 on the concatenated batches: a single module row-wise, a collection with one table table-wise and one row-wise,
 host caches smaller than a rank's rows (eviction to the file). A DCP checkpoint saves each rank's snapshot
-descriptor; a second job reopens the rank files, loads it and continues equal to the references (the sharded
+descriptor; a second job reopens the rank files, loads it and continues under cachedemb.prefetch equal to the
+references (the sharded
 in-memory job bit for bit, one process at the sharded tests' tolerance). Another world
 size, another rank's file and a table in memory refuse with errors naming the file or key."""
 import shutil
@@ -39,6 +40,10 @@ class _Model(nn.Module):
         pooled = self.coll(feats)
         return self.top(self.rows(ids, offsets) + pooled["fa"] * pooled["fb"])
 
+    def prefetch_targets(self, batch):  # cachedemb.prefetch of the sharded model: each table's exchange ahead
+        ids, offsets, feats = batch
+        return self.rows.prefetch_targets((ids, offsets)) + self.coll.prefetch_targets(feats)
+
 
 def _plan(world):
     return ShardingPlan(world, {"rows": TableSharding.row_wise(N_ROWS, world),
@@ -55,10 +60,11 @@ def _batch(step: int, b0: int, b1: int):
             {"fa": (fa[b0:b1], steps - b0), "fb": (fb[b0:b1], steps - b0)})
 
 
-def _train(model, steps, rank=0, world=1):
+def _train(model, steps, rank=0, world=1, prefetch=False):
     per = BAGS // world
-    for step in steps:
-        model(*_batch(step, rank * per, (rank + 1) * per)).square().sum().backward()
+    batches = [_batch(step, rank * per, (rank + 1) * per) for step in steps]
+    for batch in cachedemb.prefetch(batches, [model], depth=2, horizon=3) if prefetch else batches:
+        model(*batch).square().sum().backward()
 
 
 def _reference(steps):
@@ -117,12 +123,12 @@ def _second_job(rank: int, world: int, directory):
     torch.manual_seed(3)
     model = shard(_Model(directory), plan=_plan(world))  # opens the rank files
     load_checkpoint(model, str(directory / "ckpt"))
-    _train(model, [2, 3], rank, world)
+    _train(model, [2, 3, 4], rank, world, prefetch=True)  # the rank files read ahead
     full = gather_full_state_dict(model)
-    in_memory = _in_memory_sharded(rank, world, [0, 1, 2, 3])
+    in_memory = _in_memory_sharded(rank, world, [0, 1, 2, 3, 4])
     if rank == 0:
         _check(full, in_memory, "resumed, vs sharded in memory", exact=True)
-        _check(full, _reference([0, 1, 2, 3]), "resumed, vs one process", exact=False)
+        _check(full, _reference([0, 1, 2, 3, 4]), "resumed, vs one process", exact=False)
     return True
 
 
