@@ -64,7 +64,8 @@ class FileStorage:
     io_threads: reader threads. device_windows: under `cachedemb.prefetch`, also hand the read-ahead rows to the
     device cache's windows (default: for a CUDA cache, where a window overlaps the host->device copies with
     compute; on CPU the "device" cache is host memory and a window is extra copying, so only the file reads
-    run ahead)."""
+    run ahead). read_ahead: without device windows, the batches of the prefetch horizon whose misses are read
+    ahead (their rows held until they run); the later ones only steer the host cache's eviction."""
 
     path: str | os.PathLike
     host_cache_bytes: int
@@ -72,6 +73,7 @@ class FileStorage:
     rows_per_block: int | None = None
     io_threads: int = 4
     device_windows: bool | None = None
+    read_ahead: int = 2
 
     def __post_init__(self):
         if isinstance(self.host_cache_bytes, bool) or not isinstance(self.host_cache_bytes, int) or \
@@ -83,6 +85,8 @@ class FileStorage:
             raise ValueError(f"FileStorage.rows_per_block must be None or a positive int, got {rpb!r}")
         if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1:
             raise ValueError(f"FileStorage.io_threads must be a positive int, got {self.io_threads!r}")
+        if isinstance(self.read_ahead, bool) or not isinstance(self.read_ahead, int) or self.read_ahead < 1:
+            raise ValueError(f"FileStorage.read_ahead must be a positive int (batches), got {self.read_ahead!r}")
 
 
 def state_columns(optimizer: SparseOptimizer | None, dim: int) -> tuple:
@@ -309,10 +313,24 @@ class FileBackedEmbeddingBag(nn.Module):
         if not keep:
             self.ahead.clear()
 
+    def _windows(self) -> bool:
+        windows = self.storage.device_windows
+        return self.inner.cache.device.type == "cuda" if windows is None else windows
+
+    def _read_ahead_room(self) -> bool:
+        """Whether one more queued batch may be mapped (its misses read) now: without device windows only the
+        next `FileStorage.read_ahead` batches are; the rest of the horizon is looked at by the eviction only (rows
+        held for many batches ahead shrink the cache the batches in between can use)."""
+        if self._windows():
+            return True
+        return sum(1 for entry in self.ahead if entry[2] is not None) < self.storage.read_ahead
+
     def _catch_up(self) -> None:
         """Map queued read-ahead batches whose mapping paused, in order, while they fit."""
         for entry in self.ahead:
             if entry[2] is None:
+                if not self._read_ahead_room():
+                    return
                 rows = self.host.map(entry[1], entry[3], grow=False, limit=self.host.base)
                 if rows is not None:
                     self.host.maybe_resident[rows] = True
@@ -338,15 +356,14 @@ class FileBackedEmbeddingBag(nn.Module):
         rows, seq = None, self.seq
         if self.training and torch.is_grad_enabled():
             self.seq += 1
-            if all(entry[2] is not None for entry in self.ahead):
+            if all(entry[2] is not None for entry in self.ahead) and self._read_ahead_room():
                 rows = self.host.map(uniq, seq, grow=False, limit=self.host.base)
             self.ahead.append([flat, uniq, rows, seq, inverse])
         if rows is None:
             rows = self.host.find(uniq)
-        windows = self.storage.device_windows
-        if windows is None:
-            windows = self.inner.cache.device.type == "cuda"
-        if not windows:  # the file reads run ahead; the device cache is left to its per-batch path (no windows,
+            if self.training and torch.is_grad_enabled():
+                self.host.expect(rows, seq)  # not read ahead: its cached rows are evicted last until it runs
+        if not self._windows():  # the file reads run ahead; the device cache is left to its per-batch path (no windows,
             return []  # whose protection and next-use refresh would re-rank it every window)
         # Staging rows (past the budget, transient) are never announced: the pipeline sized its look-ahead
         # by the slab's rows when it started.
