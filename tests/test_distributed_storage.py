@@ -185,3 +185,30 @@ def test_meta_module_on_file_refuses_memory():
                                      storage=cachedemb.FileStorage("/nonexistent/t.cemb", 4 << 10))
     with pytest.raises(ValueError, match=r"storage=FileStorage\('/nonexistent/t.cemb'.*shard"):
         cachedemb.materialize(m, "cpu")
+
+
+def _other_plan(world):
+    return ShardingPlan(world, {"rows": TableSharding.data_parallel(N_ROWS, world),
+                                "coll.ta": TableSharding.row_wise(23, world),
+                                "coll.tb": TableSharding.table_wise(19, 0, world)})
+
+
+def _other_plan_job(rank: int, world: int, directory):
+    got = []
+    for d in (directory, None):  # on file, then in memory
+        torch.manual_seed(3)
+        model = shard(_Model(d), plan=_other_plan(world))
+        _train(model, [0, 1, 2], rank, world)
+        got.append(gather_full_state_dict(model))
+    if rank == 0:
+        _check(got[0], got[1], "data-parallel on file, vs sharded in memory", exact=True)
+        _check(got[0], _reference([0, 1, 2]), "data-parallel on file, vs one process", exact=False)
+    return True
+
+
+@pytest.mark.slow
+def test_data_parallel_table_on_file(tmp_path):
+    """A data-parallel table on file: every rank a whole replica in its own file, kept equal by the exchange."""
+    (tmp_path / "coll").mkdir()
+    run_spawned(_other_plan_job, 2, tmp_path, timeout_s=120.0)
+    assert sorted(p.name for p in tmp_path.glob("*.cemb")) == ["rows.rank0of2.cemb", "rows.rank1of2.cemb"]
