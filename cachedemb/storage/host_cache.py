@@ -233,7 +233,9 @@ class HostRowCache:
         """Drop these slab rows: device copies written back and emptied, dirty rows queued for the file."""
         if rows.size == 0:
             return
-        self.fence()  # a row still being read must land before it is written back or reused
+        # A row still being read must land before it is written back or reused. Only the victims' loads are
+        # waited for (older ones; the read-ahead batches' loads in flight fill held rows, never victims).
+        self.fence(rows)
         cache = self.cache
         self.drop_device_copies(rows)
         if cache.device.type == "cuda":
