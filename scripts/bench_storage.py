@@ -111,6 +111,9 @@ def main():
     p.add_argument("--fractions", type=int, nargs="+", default=[4, 16], help="host cache = table / F")
     p.add_argument("--depth", type=int, default=1)
     p.add_argument("--horizon", type=int, default=8)
+    p.add_argument("--read-ahead", type=int, default=2,
+                   help="FileStorage.read_ahead: horizon batches whose misses are read ahead under prefetch")
+    p.add_argument("--warm-only", action="store_true", help="skip the cold page cache runs")
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--out")
     args = p.parse_args()
@@ -124,7 +127,7 @@ def main():
     prefetch = {"depth": args.depth, "horizon": args.horizon}
     out = {"issue": 23, "num_rows": args.rows, "dim": args.dim, "batch": "4096 x 26 zipf 1.05 (scattered)",
            "optimizer": "fused SGD", "device_cache_rows": cache_rows, "warmup": args.warmup, "rounds": args.rounds,
-           "block": args.block, "torch_threads": 1, "prefetch": prefetch, "rowio": rowio.backend(),
+           "block": args.block, "torch_threads": 1, "prefetch": prefetch, "read_ahead": args.read_ahead, "rowio": rowio.backend(),
            "machine": "CPU-only dev box, 2 cores, shared", "platform": platform.platform(),
            "method": "blocks of steps alternating file-backed / in-memory (no prefetch) on the same batches; "
                      "ratio per block pair, median", "runs": []}
@@ -146,12 +149,13 @@ def main():
         out["table_bytes"], out["record_bytes"] = table_bytes, creator.table.record
         creator.close()
         for fraction in args.fractions:
-            for cold in ([False, True] if fraction == max(args.fractions) else [False]):
+            for cold in ([False, True] if fraction == max(args.fractions) and not args.warm_only else [False]):
                 for pf in (None, prefetch):
                     emb = cachedemb.CachedEmbeddingBag(args.rows, args.dim, mode="sum", cache_rows=cache_rows,
                                                        optimizer=spec, device="cpu",
                                                        storage=cachedemb.FileStorage(
-                                                           path, host_cache_bytes=table_bytes // fraction))
+                                                           path, host_cache_bytes=table_bytes // fraction,
+                                                           read_ahead=args.read_ahead))
                     result = rounds(emb, mem, batches, offsets, args.warmup, args.rounds, args.block, pf, cold)
                     name = f"file 1/{fraction}" + (" +prefetch" if pf else "") + (" cold" if cold else "")
                     result = dict(name=name, host_cache_bytes=table_bytes // fraction,

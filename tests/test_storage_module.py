@@ -42,7 +42,7 @@ def batches(seed=0, steps=STEPS, with_weights=False):
 def host_bytes_for(rows, spec):
     """host_cache_bytes that give `rows` slab rows for this optimizer's records."""
     record = TableHeader(N, D, torch.float32, state_columns(spec, D), "", 1, "", "", 0).layout.record_bytes
-    budget = next(b for b in range(rows * record, rows * (record + 100)) if slab_rows(b, record) > rows)
+    budget = next(b for b in range(rows * record, rows * (record + 200)) if slab_rows(b, record) > rows)
     assert slab_rows(budget, record) == rows + 1  # the slab and the padding row
     return budget
 

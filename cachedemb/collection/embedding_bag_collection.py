@@ -403,6 +403,17 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         with its share of the host cache bytes."""
         group = self._groups[g]
         (i,) = group.tables
+        storage, init = self.table_storage(i), self.tables[i].table_init()
+        freq = self._freqs[i] if self._freqs is not None and bool(self._freqs[i].any()) else None
+        path_exists = storage.path.exists()
+        return _FileGroupBag(group.rows, group.dim, mode=group.pooling, include_last_offset=True, dtype=group.dtype,
+                             device=device, validate_inputs=False, count_in_eval=self.count_in_eval,
+                             storage=storage, _init=init, id_freq=None if path_exists else freq,
+                             **self._group_bag_kwargs(self._groups[g]))
+
+    def table_storage(self, i: int) -> FileStorage:
+        """Table i's file (`<storage dir>/<table>.cemb`) and its share of the host cache bytes (in proportion to
+        rows x dim, at least 4 KiB); refuses an init_fn that cannot be streamed into a file."""
         table = self.tables[i]
         directory = Path(self.storage.path)
         if not directory.is_dir():
@@ -411,18 +422,11 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         weight = [t.num_embeddings * t.embedding_dim for t in self.tables if t.dynamic is None]
         share = max(_MIN_TABLE_HOST_BYTES,
                     self.storage.host_cache_bytes * table.num_embeddings * table.embedding_dim // sum(weight))
-        init = table.table_init()
-        if not init.elementwise:
+        if not table.table_init().elementwise:
             raise ValueError(f"table {table.name!r} on file: its init_fn cannot be streamed into the file (it must "
                              "draw element by element, as torchrec's default uniform_ does); drop init_fn, or "
                              "write the rows with CachedEmbeddingBag.from_pretrained(rows, storage=...)")
-        storage = replace(self.storage, path=directory / f"{table.name}.cemb", host_cache_bytes=share)
-        freq = self._freqs[i] if self._freqs is not None and bool(self._freqs[i].any()) else None
-        path_exists = storage.path.exists()
-        return _FileGroupBag(group.rows, group.dim, mode=group.pooling, include_last_offset=True, dtype=group.dtype,
-                             device=device, validate_inputs=False, count_in_eval=self.count_in_eval,
-                             storage=storage, _init=init, id_freq=None if path_exists else freq,
-                             **self._group_bag_kwargs(self._groups[g]))
+        return replace(self.storage, path=directory / f"{table.name}.cemb", host_cache_bytes=share)
 
     def close(self) -> None:
         """Commit and close the tables' files (storage=); nothing for tables in memory."""

@@ -5,7 +5,8 @@
     loss.backward()                           # fused optimizers update rows on their owners
     full = gather_full_state_dict(model)      # rank 0: the unsharded state_dict (export)
 
-May import: every layer below (`cachedemb.collection`, `cachedemb.dynamic`, `cachedemb.modules`, `cachedemb.cache`,
+May import: every layer below (`cachedemb.collection`, `cachedemb.dynamic`, `cachedemb.storage` (tables on file:
+`files`), `cachedemb.modules`, `cachedemb.cache`,
 `materialize`); nothing else in cachedemb imports this package (only the recipes and tools above it do).
 """
 from cachedemb.distributed.exchange import STATS as exchange_stats

@@ -34,11 +34,13 @@ import torch.distributed as dist
 from torch import nn
 
 from cachedemb.distributed.exchange import AllToAllRows, LocalSliceOfReplicated, all_to_all, exchange_counts
+from cachedemb.distributed.files import rank_table
 from cachedemb.distributed.plan import ShardingType, TableSharding
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.cache.embedding_cache import pinned_empty
 from cachedemb.modules.input_check import normalize_bag_input
 from cachedemb.modules.meta_init import init_rows
+from cachedemb.storage.embedding_bag import FileBackedEmbeddingBag
 
 
 def lookups_with_bags(ids: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None, pad_id):
@@ -53,12 +55,14 @@ def lookups_with_bags(ids: torch.Tensor, offsets: torch.Tensor, psw: torch.Tenso
 
 
 def local_shard(module: CachedEmbeddingBag, start: int, end: int, device: torch.device, pooling: str,
-                ) -> CachedEmbeddingBag | None:
+                rank: int = 0, world_size: int = 1) -> CachedEmbeddingBag | FileBackedEmbeddingBag | None:
     """A CachedEmbeddingBag over rows [start, end) of `module` (their current values and optimizer state),
     ids local to the range, bags given with the end offset, padding already dropped; None for an empty range.
     A module on the meta device gets the rows one process would draw for it (`cachedemb.materialize`): every
     rank replays the table's whole random stream, keeping its rows (even none), so generators stay in step."""
     rows = end - start
+    if module.is_meta and module.file_storage is not None:  # storage= on meta: this rank's file of its rows
+        return rank_table(module, start, end, rank, world_size, device, pooling)
     if module.is_meta:
         spec = module.cache
         weight = init_rows(spec.init, module.num_embeddings, module.embedding_dim, spec.dtype, start, end,
@@ -163,7 +167,14 @@ class ShardedEmbeddingBag(nn.Module):
         self._starts = torch.tensor([a for a, _ in sharding.ranges], dtype=torch.int64)
         if device is None:
             device = module.cache.device if not module.is_meta else _default_cache_device()
-        self.shard = local_shard(module, self.row_start, self.row_end, device, "max" if self.mode == "max" else "sum")
+        # A table built on meta with storage=FileStorage(...): this rank's rows live in a file of its own.
+        self.on_file = module.is_meta and module.file_storage is not None
+        shard = local_shard(module, self.row_start, self.row_end, device, "max" if self.mode == "max" else "sum",
+                            self.rank, self.world_size)
+        if self.on_file:  # not a child: its state is the file (state_dict() would commit a snapshot per call);
+            object.__setattr__(self, "shard", shard)  # checkpoints name snapshots (distributed.checkpoint)
+        else:
+            self.shard = shard
         self._prefetched: deque[ExchangedInput] = deque()  # exchanged ahead by cachedemb.prefetch, in order
         self._armed = False
 
@@ -259,6 +270,8 @@ class ShardedEmbeddingBag(nn.Module):
         """Exchange one batch ahead and queue it for the forward `on_prefetch_yield` arms."""
         exchanged = self.input_dist(input, offsets, per_sample_weights)
         self._prefetched.append(exchanged)
+        if self.on_file:  # the rank's file reads run ahead (the file-backed module's own prefetch stage)
+            return self.shard.prefetch_targets(exchanged.local_ids) if self.shard is not None else []
         return [(self.shard.cache, exchanged.local_ids)] if self.shard is not None else []
 
     def on_prefetch_yield(self) -> None:
@@ -303,6 +316,8 @@ class ShardedEmbeddingBag(nn.Module):
         module's state_dict; empty when the rank keeps no rows."""
         if self.shard is None:
             return {}
+        if self.on_file:  # read from the file chunk by chunk into memory: for export (gather_full_state_dict)
+            return self.shard.export_state_dict()
         self.shard.flush()
         cache = self.shard.cache
         state = {"weight": cache.host_weight}
@@ -327,7 +342,7 @@ class ShardedEmbeddingBag(nn.Module):
 
     def after_load(self, step: int | None) -> None:
         """Rows were written into the host tensors in place (checkpoint load): re-read the cache."""
-        if self.shard is None:
+        if self.shard is None or self.on_file:
             return
         if step is not None and self.optimizer is not None:
             self.shard.optimizer_step = step
@@ -335,6 +350,10 @@ class ShardedEmbeddingBag(nn.Module):
 
     def load_local_state(self, full_rows: dict[str, torch.Tensor]) -> None:
         """Copy this rank's rows [row_start, row_end) out of full-table tensors (keys as local_state)."""
+        if self.on_file:
+            raise ValueError("a sharded table on file loads snapshot descriptors (cachedemb.distributed.checkpoint), "
+                             "not rows: import rows into new files with CachedEmbeddingBag.from_pretrained(rows, "
+                             "storage=...) in one process")
         if self.shard is None:
             return
         self.shard.flush()
@@ -348,6 +367,17 @@ class ShardedEmbeddingBag(nn.Module):
         if "optimizer.step" in full_rows and self.optimizer is not None:
             self.shard.optimizer_step = int(full_rows["optimizer.step"])
         cache.reload()
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.on_file and self.shard is not None:
+            self.shard.train(mode)
+        return self
+
+    def close(self) -> None:
+        """Commit and close this rank's table file (a table on file; also done at exit)."""
+        if self.on_file and self.shard is not None:
+            self.shard.close()
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, {self.sharding.describe()}, "

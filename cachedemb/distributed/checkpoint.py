@@ -8,6 +8,11 @@ data-parallel replica reads the whole tensor. Keys are the unsharded model's sta
 single-process model loads the same checkpoint (`load_into_unsharded`). Nothing is pickled but the plan, which
 rank 0 writes beside the checkpoint as JSON (`plan.json`).
 
+A table on file (each rank its own file of its rows, `cachedemb.distributed.files`) saves per rank the descriptor
+of a snapshot committed at save time (`<table>.storage.rank<r>of<w>.uuid / .snapshot / .step`), never its rows;
+a load at the same world size and plan rolls each rank's file back to it (the file retains it until two more
+commits), any other load raises naming the missing key.
+
 Dynamic (raw-id) tables are keyed by id: each per-id tensor (ids, weight, optimizer state, counts, last seen;
 the pending_* group alike) is saved as the concatenation of the ranks' parts, rank r's part at the offset of
 the ranks before it; a load reads every part (any world size, or one process) and each rank keeps the ids it
@@ -27,6 +32,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
 from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection, _DynamicGroupBag
+from cachedemb.distributed.files import descriptor_placeholders, load_descriptor, save_descriptor
 from cachedemb.distributed.model_parallel import DistributedModelParallel, _sharded_state_names, _under
 from cachedemb.distributed.plan import ShardingPlan
 from cachedemb.distributed.dynamic import ShardedDynamicEmbeddingBag, _sharded_dynamic, id_group
@@ -43,6 +49,12 @@ def _state(model: nn.Module, for_load: bool) -> tuple[dict, dict]:
     state = {k: v for k, v in inner.state_dict().items() if not _under(k, list(sharded))}
     for path, m in sharded.items():
         prefix = f"{path}." if path else ""
+        if m.on_file:  # this rank's file: a committed snapshot's descriptor under keys of its own, no rows
+            if m.shard is not None:  # (a load fills placeholders: a commit now could drop the named snapshot)
+                entries = (descriptor_placeholders(m.rank, m.world_size) if for_load
+                           else save_descriptor(m.shard, m.rank, m.world_size))
+                state.update({prefix + k: v for k, v in entries.items()})
+            continue
         local = m.local_state()
         for key in m.state_keys():
             if key == "optimizer.step":
@@ -155,14 +167,35 @@ def load_checkpoint(model: nn.Module, path: str) -> None:
     """Every rank reads the rows its current plan gives it (any world size or plan at save time)."""
     state, sharded = _state(model, for_load=True)
     inner = model.module if isinstance(model, DistributedModelParallel) else model
+    _check_file_descriptors(state, sharded, path)
     _size_dynamic_entries(state, inner, path)
     dcp.load(state, checkpoint_id=path, process_group=getattr(model, "group", None))
     _sort_dynamic_entries(state, inner)
     dense = {k: v for k, v in state.items() if not _under(k, list(sharded))}
     inner.load_state_dict(dense, strict=False)
     for path_, m in sharded.items():
-        step = state.get((f"{path_}." if path_ else "") + "optimizer.step")
+        prefix = f"{path_}." if path_ else ""
+        if m.on_file:
+            if m.shard is not None:
+                load_descriptor(m.shard, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)},
+                                m.rank, m.world_size, f"checkpoint {path!r}, {path_ or '<model>'}")
+            continue
+        step = state.get(prefix + "optimizer.step")
         m.after_load(int(step) if step is not None else None)
+
+
+def _check_file_descriptors(state: dict, sharded: dict, path: str) -> None:
+    """A rank's table file needs its own descriptor in the checkpoint (same world size, table on file)."""
+    wanted = [k for p, m in sharded.items() if m.on_file and m.shard is not None
+              for k in state if k.startswith(f"{p}." if p else "") and ".storage.rank" in "." + k]
+    if not wanted:
+        return
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for key in wanted:
+        if key not in saved:
+            raise KeyError(f"checkpoint {path!r} has no {key!r} for this rank's table file: it was saved by a job "
+                           "of another world size or plan, or with the table in memory (a table on file continues "
+                           "only at the world size and plan it was created with)")
 
 
 def load_plan(path: str) -> ShardingPlan:

@@ -41,7 +41,13 @@ def _table_module(collection: CachedEmbeddingBagCollection, index: int) -> Cache
                                     dtype=t.dtype, cache_rows=min(t.num_embeddings, group_capacity),
                                     optimizer=kw["optimizer"], warmup_ratio=0.0, _init=t.table_init())
         module._shard_local = True
+        if collection.storage is not None:  # each rank's rows of the table go to a file of its own
+            module.file_storage = collection.table_storage(index)
         return module
+    if collection.storage is not None:
+        raise ValueError("a collection with storage=FileStorage(...) is sharded from the meta device: build it with "
+                         "device='meta' (shard() then creates each rank's file of its rows; built on a device, "
+                         "every rank would hold whole-table files)")
     group_bag = collection.bags[g]
     state = {}
     collection._save_table(index, state, "")
@@ -72,6 +78,17 @@ def _dynamic_table_module(collection: CachedEmbeddingBagCollection, index: int) 
     module.load_state_dict(state)
     module.train(collection.training)
     return module
+
+
+def _add_stats(total: dict, stats: dict) -> None:
+    """Counters summed key by key (a table on file adds its `host_cache` and `file` counters, nested)."""
+    for k, v in stats.items():
+        if k == "seconds":
+            continue
+        if isinstance(v, dict):
+            _add_stats(total.setdefault(k, {}), v)
+        else:
+            total[k] = total.get(k, 0) + v
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -178,15 +195,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
         total: dict = {}
         for bag in self.embedding_bags.values():
             if bag.shard is not None:
-                for k, v in bag.shard.cache_stats().items():
-                    if k != "seconds":
-                        total[k] = total.get(k, 0) + v
+                _add_stats(total, bag.shard.cache_stats())
         return total
 
     def reset_cache_stats(self) -> None:
         for bag in self.embedding_bags.values():
             if bag.shard is not None:
                 bag.shard.reset_cache_stats()
+
+    def close(self) -> None:
+        """Commit and close this rank's table files (tables on file); nothing for tables in memory."""
+        for bag in self.embedding_bags.values():
+            if getattr(bag, "on_file", False) and bag.shard is not None:
+                bag.shard.close()
 
     def extra_repr(self) -> str:
         return ", ".join(f"{name}: {m.sharding.describe()}" for name, m in self.embedding_bags.items())

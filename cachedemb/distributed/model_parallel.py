@@ -18,6 +18,7 @@ from cachedemb.distributed.collection import ShardedEmbeddingBagCollection
 from cachedemb.distributed.dynamic import gather_dynamic_state_dict, shard_dynamic_tables
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.materialize import is_under as _under
+from cachedemb.storage.embedding_bag import FileBackedEmbeddingBag
 from cachedemb.materialize import materialize_dense, meta_walk
 
 
@@ -134,6 +135,7 @@ def shard(model: nn.Module, plan: ShardingPlan | dict | None = None, process_gro
     group = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     meta_dense = {path: m for path, m, cached in meta_walk(model) if not cached}  # refuses before any change
+    _refuse_built_files(model)
     model = shard_dynamic_tables(model, group)  # DynamicEmbeddingBags: ids hashed to owner ranks
     modules = _cached_modules(model)
     if plan is None:
@@ -168,6 +170,18 @@ def shard(model: nn.Module, plan: ShardingPlan | dict | None = None, process_gro
     ranks = dist.get_process_group_ranks(group) if group is not dist.group.WORLD else list(range(world))
     dense_group = dist.new_group(ranks, use_local_synchronization=True)  # only the group's ranks call shard()
     return DistributedModelParallel(model, plan, group, dense_group)
+
+
+def _refuse_built_files(model: nn.Module) -> None:
+    """Tables on file are sharded from the meta device (each rank creates the file of its rows): a table whose
+    files were already built holds the whole table in one file per process."""
+    for name, m in model.named_modules():
+        built = isinstance(m, FileBackedEmbeddingBag) or (isinstance(m, CachedEmbeddingBagCollection)
+                                                          and m.storage is not None and m.bags)
+        if built:
+            raise ValueError(f"{name or '<model>'}: a table on file is sharded from the meta device: build it with "
+                             "device='meta' and storage=FileStorage(...) (shard() then creates each rank's file "
+                             "of its rows, <stem>.rank<r>of<w>.cemb); this one already holds whole-table files")
 
 
 def _local_device(modules) -> torch.device | None:

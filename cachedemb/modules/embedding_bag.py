@@ -178,7 +178,11 @@ class CachedEmbeddingBag(nn.Module):
                 raise ValueError("dynamic= and storage= cannot be combined: a raw-id table's slab is not on file")
             return build_dynamic(*args, dynamic=dynamic, **kwargs)
         if storage is not None:
-            return build_storage(*args, storage=storage, **kwargs)
+            device = kwargs.get("device", args[10] if len(args) > 10 else None)
+            if cls._resolve_device(device).type != "meta":
+                return build_storage(*args, storage=storage, **kwargs)
+            # On meta: a plain meta module that remembers its storage; cachedemb.distributed.shard() creates each
+            # rank's file of its rows (drawn as one process would draw them).
         return super().__new__(cls)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,
@@ -201,6 +205,8 @@ class CachedEmbeddingBag(nn.Module):
         self.padding_idx = self._check_padding_idx(padding_idx)
         self.optimizer, self.optimizer_step = optimizer, 0
         self.validate_inputs = validate_inputs
+        self.file_storage = storage  # only on meta (else __new__ built the file-backed module): shard() makes the
+        # file of each rank's rows there
         # An inference-only module (eval, no_grad) still counts its lookups, so a serving cache's LFU learns
         # the traffic it sees; by default only training forwards count (eval batches do not skew training).
         self.count_in_eval = bool(count_in_eval)
@@ -768,6 +774,11 @@ class CachedEmbeddingBag(nn.Module):
             spec.dtype = probe.dtype
             self._table.data = torch.empty(tuple(self._table.shape), dtype=probe.dtype, device="meta")
             return self
+        if self.file_storage is not None:
+            raise ValueError(f"this CachedEmbeddingBag was built on meta with storage=FileStorage("
+                             f"{str(self.file_storage.path)!r}, ...): its rows belong in files, not in memory. "
+                             "Shard it with cachedemb.distributed.shard(model) (each rank creates the file of its "
+                             "rows), or build it on a real device for one process")
         host = pinned_empty((self.num_embeddings, self.embedding_dim), probe.dtype)
         host.zero_()
         self._build(host, probe.device, spec.capacity, spec.policy, spec.id_freq, spec.history, spec.freq_halflife,

@@ -119,6 +119,21 @@ def iter_init_chunks(init: TableInit, total: int, dtype: torch.dtype, chunk: int
             i = j
 
 
+def iter_init_range(init: TableInit, num_rows: int, dim: int, dtype: torch.dtype, start: int, end: int,
+                    chunk: int = CHUNK_ELEMENTS // 16):
+    """Rows [start, end) of an elementwise init of a [num_rows, dim] table, as flattened chunks drawn exactly
+    as one whole-table fill draws them; the draws outside the range are made and dropped, so once the generator
+    is exhausted the RNG is where one whole-table fill leaves it (memory O(chunk)): a sharded rank's file."""
+    if not 0 <= start <= end <= num_rows:
+        raise ValueError(f"row range [{start}, {end}) is not inside a table of {num_rows} rows")
+    lo, hi, at = start * dim, end * dim, 0
+    for buf in iter_init_chunks(init, num_rows * dim, dtype, chunk):
+        a, b = max(lo, at), min(hi, at + buf.numel())
+        if a < b:
+            yield buf[a - at:b - at]
+        at += buf.numel()
+
+
 def _replay_elementwise(init: TableInit, total: int, dtype, lo: int, hi: int, flat_out: torch.Tensor) -> None:
     scratch = None
     i = 0
@@ -140,4 +155,4 @@ def _replay_elementwise(init: TableInit, total: int, dtype, lo: int, hi: int, fl
             i = j
 
 
-__all__ = ["CHUNK_ELEMENTS", "MetaTable", "TableInit", "init_rows", "iter_init_chunks", "probe_apply"]
+__all__ = ["CHUNK_ELEMENTS", "MetaTable", "TableInit", "init_rows", "iter_init_chunks", "iter_init_range", "probe_apply"]

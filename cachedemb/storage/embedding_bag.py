@@ -43,7 +43,7 @@ from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.modules.errors import InvalidIdError, InvalidInputTypeError, NotATensorError
 from cachedemb.modules.factory import register_storage
 from cachedemb.modules.input_check import integer_arg, size_arg
-from cachedemb.modules.meta_init import TableInit, iter_init_chunks
+from cachedemb.modules.meta_init import TableInit, iter_init_range
 from cachedemb.kernels import id_index
 from cachedemb.optim import SparseOptimizer
 from cachedemb.storage.format import TableHeader, TableMismatchError, dtype_name
@@ -64,7 +64,8 @@ class FileStorage:
     io_threads: reader threads. device_windows: under `cachedemb.prefetch`, also hand the read-ahead rows to the
     device cache's windows (default: for a CUDA cache, where a window overlaps the host->device copies with
     compute; on CPU the "device" cache is host memory and a window is extra copying, so only the file reads
-    run ahead)."""
+    run ahead). read_ahead: without device windows, the batches of the prefetch horizon whose misses are read
+    ahead (their rows held until they run); the later ones only steer the host cache's eviction."""
 
     path: str | os.PathLike
     host_cache_bytes: int
@@ -72,6 +73,7 @@ class FileStorage:
     rows_per_block: int | None = None
     io_threads: int = 4
     device_windows: bool | None = None
+    read_ahead: int = 2
 
     def __post_init__(self):
         if isinstance(self.host_cache_bytes, bool) or not isinstance(self.host_cache_bytes, int) or \
@@ -83,6 +85,8 @@ class FileStorage:
             raise ValueError(f"FileStorage.rows_per_block must be None or a positive int, got {rpb!r}")
         if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1:
             raise ValueError(f"FileStorage.io_threads must be a positive int, got {self.io_threads!r}")
+        if isinstance(self.read_ahead, bool) or not isinstance(self.read_ahead, int) or self.read_ahead < 1:
+            raise ValueError(f"FileStorage.read_ahead must be a positive int (batches), got {self.read_ahead!r}")
 
 
 def state_columns(optimizer: SparseOptimizer | None, dim: int) -> tuple:
@@ -101,7 +105,7 @@ class FileBackedEmbeddingBag(nn.Module):
                  optimizer: SparseOptimizer | None = None, _freeze: bool = False, cache_ratio: float = 0.01,
                  cache_rows: int | None = None, id_freq: torch.Tensor | None = None, warmup_ratio: float = 0.7,
                  validate_inputs: bool = True, freq_halflife: int | None = None, count_in_eval: bool = False,
-                 _init: TableInit | None = None, **cache_kwargs):
+                 _init: TableInit | None = None, _shard: dict | None = None, **cache_kwargs):
         super().__init__()
         if not isinstance(storage, FileStorage):
             raise TypeError(f"storage must be a cachedemb.FileStorage, got {type(storage).__name__}")
@@ -140,8 +144,13 @@ class FileBackedEmbeddingBag(nn.Module):
         self.padding_idx = padding_idx
         self.optimizer = optimizer
         self.storage = storage
+        if _shard is not None and _shard["end"] - _shard["start"] != num_embeddings:
+            raise ValueError(f"a shard of rows [{_shard['start']}, {_shard['end']}) has "
+                             f"{_shard['end'] - _shard['start']} rows, not {num_embeddings}")
+        # _shard (cachedemb.distributed): this file holds one rank's rows [start, end) of a larger table; ids are
+        # local to the range, and a new file draws the whole table's init stream, keeping those rows.
         header = TableHeader(num_embeddings, embedding_dim, dtype, state_columns(optimizer, embedding_dim),
-                             repr(optimizer) if optimizer is not None else "", 1, "", "", 0.0)
+                             repr(optimizer) if optimizer is not None else "", 1, "", "", 0.0, _shard)
         record = header.layout.record_bytes
         rows = min(num_embeddings, slab_rows(storage.host_cache_bytes, record) - 1)  # and the padding row
         if rows < 1:
@@ -186,8 +195,9 @@ class FileBackedEmbeddingBag(nn.Module):
         rpb = storage.rows_per_block or max(1, BLOCK_TARGET_BYTES // record)
         how = "weight" if weight is not None else "normal"
         header = TableHeader(header.num_rows, header.dim, header.dtype, header.state_cols, header.optimizer,
-                             rpb, uuid_lib.uuid4().hex, how, time.time())
+                             rpb, uuid_lib.uuid4().hex, how, time.time(), header.shard)
         init = init or TableInit.normal(padding_idx)
+        first = header.shard["start"] if header.shard is not None else 0  # global id of row 0
         if weight is None and not init.elementwise:
             raise ValueError("a file-backed table streams its initial rows: its init must draw element by "
                              "element (normal_, uniform_); give other rows as _weight")
@@ -196,7 +206,10 @@ class FileBackedEmbeddingBag(nn.Module):
             freq = torch.as_tensor(id_freq)
             if freq.shape != (header.num_rows,) or freq.is_floating_point() or bool((freq < 0).any()):
                 raise ValueError(f"id_freq must be non-negative integer counts of shape ({header.num_rows},)")
-        stream = iter_init_chunks(init, header.num_rows * header.dim, header.dtype) if weight is None else None
+        stream = None
+        if weight is None:
+            total = header.shard["table_rows"] if header.shard is not None else header.num_rows
+            stream = iter_init_range(init, total, header.dim, header.dtype, first, first + header.num_rows)
         carry = [torch.empty(0, dtype=header.dtype)]
 
         def fill(start, stop):
@@ -211,8 +224,9 @@ class FileBackedEmbeddingBag(nn.Module):
                     parts.append(part)
                     need -= part.numel()
                 rows = torch.cat(parts).view(stop - start, header.dim)
-                if padding_idx is not None and start <= padding_idx < stop:
-                    rows[padding_idx - start].zero_()
+                pad = init.padding_idx
+                if pad is not None and start <= pad - first < stop:
+                    rows[pad - first - start].zero_()
             states = {name: torch.full((stop - start, cols), value, dtype=header.layout.state_dtype)
                       for name, cols, value in header.state_cols}
             counts = freq[start:stop].to(torch.int64) if freq is not None else torch.zeros(stop - start,
@@ -299,10 +313,24 @@ class FileBackedEmbeddingBag(nn.Module):
         if not keep:
             self.ahead.clear()
 
+    def _windows(self) -> bool:
+        windows = self.storage.device_windows
+        return self.inner.cache.device.type == "cuda" if windows is None else windows
+
+    def _read_ahead_room(self) -> bool:
+        """Whether one more queued batch may be mapped (its misses read) now: without device windows only the
+        next `FileStorage.read_ahead` batches are; the rest of the horizon is looked at by the eviction only (rows
+        held for many batches ahead shrink the cache the batches in between can use)."""
+        if self._windows():
+            return True
+        return sum(1 for entry in self.ahead if entry[2] is not None) < self.storage.read_ahead
+
     def _catch_up(self) -> None:
         """Map queued read-ahead batches whose mapping paused, in order, while they fit."""
         for entry in self.ahead:
             if entry[2] is None:
+                if not self._read_ahead_room():
+                    return
                 rows = self.host.map(entry[1], entry[3], grow=False, limit=self.host.base)
                 if rows is not None:
                     self.host.maybe_resident[rows] = True
@@ -328,15 +356,14 @@ class FileBackedEmbeddingBag(nn.Module):
         rows, seq = None, self.seq
         if self.training and torch.is_grad_enabled():
             self.seq += 1
-            if all(entry[2] is not None for entry in self.ahead):
+            if all(entry[2] is not None for entry in self.ahead) and self._read_ahead_room():
                 rows = self.host.map(uniq, seq, grow=False, limit=self.host.base)
             self.ahead.append([flat, uniq, rows, seq, inverse])
         if rows is None:
             rows = self.host.find(uniq)
-        windows = self.storage.device_windows
-        if windows is None:
-            windows = self.inner.cache.device.type == "cuda"
-        if not windows:  # the file reads run ahead; the device cache is left to its per-batch path (no windows,
+            if self.training and torch.is_grad_enabled():
+                self.host.expect(rows, seq)  # not read ahead: its cached rows are evicted last until it runs
+        if not self._windows():  # the file reads run ahead; the device cache is left to its per-batch path (no windows,
             return []  # whose protection and next-use refresh would re-rank it every window)
         # Staging rows (past the budget, transient) are never announced: the pipeline sized its look-ahead
         # by the slab's rows when it started.

@@ -38,6 +38,7 @@ DATA_OFFSET = 4 * PAGE
 _HEADER = struct.Struct("<8sIII")  # magic, version, json bytes, crc32 of the json
 _WRITER = struct.Struct("<8sIIQd64sI")  # magic, open, pid, token, since, host, crc32
 _SUPER = struct.Struct("<8sQQQQI")  # magic, seq, map offset, map bytes, blocks in use (high water), json bytes
+SHARD_KEYS = ("rank", "world_size", "start", "end", "table_rows")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -152,6 +153,16 @@ class TableHeader:
     uuid: str
     init: str  # how the rows were first filled: "normal", "weight", "uniform", ...
     created: float
+    # A sharded job's file of one rank's rows (cachedemb.distributed): {"rank", "world_size", "start", "end",
+    # "table_rows"}: rows [start, end) of a table of table_rows rows; None for a whole table (absent in the JSON).
+    shard: dict | None = None
+
+    def describe_shard(self) -> str:
+        s = self.shard
+        if s is None:
+            return f"a whole table of {self.num_rows} rows"
+        return (f"rows [{s['start']}, {s['end']}) of a table of {s['table_rows']} rows, for rank {s['rank']} of a "
+                f"{s['world_size']}-rank job")
 
     @property
     def layout(self) -> RecordLayout:
@@ -172,6 +183,8 @@ class TableHeader:
                "optimizer": self.optimizer, "rows_per_block": self.rows_per_block, "uuid": self.uuid,
                "init": self.init, "created": self.created, "record_bytes": self.layout.record_bytes,
                "state_offsets": self.layout.state_offsets(), "count_offset": self.layout.count_offset}
+        if self.shard is not None:
+            doc["shard"] = {k: int(self.shard[k]) for k in SHARD_KEYS}
         body = json.dumps(doc, sort_keys=True).encode()
         if _HEADER.size + len(body) > PAGE:
             raise ValueError(f"table header of {len(body)} bytes does not fit in {PAGE - _HEADER.size}")
@@ -196,7 +209,8 @@ class TableHeader:
         doc = json.loads(body)
         header = TableHeader(int(doc["num_rows"]), int(doc["dim"]), parse_dtype(doc["dtype"], path),
                              tuple((str(n), int(c), float(v)) for n, c, v in doc["state"]), str(doc["optimizer"]),
-                             int(doc["rows_per_block"]), str(doc["uuid"]), str(doc["init"]), float(doc["created"]))
+                             int(doc["rows_per_block"]), str(doc["uuid"]), str(doc["init"]), float(doc["created"]),
+                             {k: int(doc["shard"][k]) for k in SHARD_KEYS} if doc.get("shard") is not None else None)
         if header.layout.record_bytes != doc["record_bytes"]:
             raise CorruptTableError(f"table file {str(path)!r}: record size {doc['record_bytes']} in its header "
                                     f"disagrees with its layout ({header.layout.record_bytes})")

@@ -5,7 +5,8 @@ below keeps seeing dense host rows (slab rows) and its kernels are unchanged. Pe
 
     distinct ids -> RowIndex (exact, host) -> hits: their slab rows
                  -> misses: free rows, else evict a batch of rows (LFU: lowest access count, then least recently
-                    used; never a row this batch or a batch read ahead still uses) -> read their records from the
+                    used; never a row this batch or a batch read ahead still uses; under prefetch, rows the
+                    rest of the horizon reads go last) -> read their records from the
                     file into the slab (thread pool; asynchronous under prefetch, the window admission waits for
                     them through `EmbeddingCache.host_fence`)
 
@@ -38,7 +39,7 @@ def distinct(ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     return uniq.astype(np.int64, copy=False), inverse.reshape(-1)
 
 
-BOOKKEEPING_BYTES = 18  # per slab row: its id, last batch, dirty and free flags
+BOOKKEEPING_BYTES = 43  # per slab row: id, last batch, next known use, load serial, window (8 B each); dirty, free, resident
 
 
 def slab_rows(host_cache_bytes: int, record_bytes: int) -> int:
@@ -118,6 +119,7 @@ class HostRowCache:
         self.announced = np.full(n, -1, dtype=np.int64)  # the last read-ahead batch whose window may admit it
         self.row_id = np.full(n, -1, dtype=np.int64)
         self.row_step = np.full(n, -1, dtype=np.int64)  # the last batch (sequence number) that reads the row
+        self.next_use = np.full(n, -1, dtype=np.int64)  # the last horizon batch seen to read it (not held)
         self.dirty = np.zeros(n, dtype=bool)
         self.free_mask = np.ones(n, dtype=bool)
 
@@ -221,6 +223,8 @@ class HostRowCache:
         want = min(cand.size, max(need, (self.base - self.first) // EVICT_FRACTION))
         freq = self.cache.host_freq.numpy()[cand]
         key = (np.minimum(freq, (1 << 40) - 1) << 22) | np.clip(self.row_step[cand] + 1, 0, (1 << 22) - 1)
+        # Look-ahead (under prefetch): rows a batch of the horizon reads go last.
+        key |= (self.next_use[cand] >= self.done_below).astype(np.int64) << 62
         if want < cand.size:
             cand = cand[np.argpartition(key, want - 1)[:want]]
         self.evict_rows(cand)
@@ -229,7 +233,9 @@ class HostRowCache:
         """Drop these slab rows: device copies written back and emptied, dirty rows queued for the file."""
         if rows.size == 0:
             return
-        self.fence()  # a row still being read must land before it is written back or reused
+        # A row still being read must land before it is written back or reused. Only the victims' loads are
+        # waited for (older ones; the read-ahead batches' loads in flight fill held rows, never victims).
+        self.fence(rows)
         cache = self.cache
         self.drop_device_copies(rows)
         if cache.device.type == "cuda":
@@ -238,6 +244,7 @@ class HostRowCache:
         self.index.delete(self.row_id[rows])
         self.row_id[rows] = -1
         self.row_step[rows] = -1
+        self.next_use[rows] = -1
         self.free_mask[rows] = True
         self.stats["evicted"] += int(rows.size)
 
@@ -249,6 +256,11 @@ class HostRowCache:
             self.cache.drop_rows(torch.from_numpy(rows))
             # A window not admitted yet (its batches not reached) may still bring the row back.
             self.maybe_resident[rows] = self.announced[rows] > self.done_below
+
+    def expect(self, rows: np.ndarray, seq: int) -> None:
+        """Rows (-1: not cached) that batch `seq` of the prefetch horizon will read: evicted last until it runs."""
+        rows = rows[rows >= 0]
+        self.next_use[rows] = np.maximum(self.next_use[rows], seq)
 
     def announce(self, rows: np.ndarray, seq: int) -> None:
         """Rows handed to the prefetch pipeline for batch `seq`: a window may admit them until that batch runs."""
@@ -291,6 +303,7 @@ class HostRowCache:
         self.index = RowIndex(self.base - self.first)
         self.row_id[:] = -1
         self.row_step[:] = -1
+        self.next_use[:] = -1
         self.dirty[:] = False
         self.free_mask[:] = True
         self.free_mask[: self.first] = False
@@ -302,7 +315,7 @@ class HostRowCache:
         old = self.num_rows
         new = old + extra
         self.inner._resize_rows(new)
-        for name, fill in (("row_id", -1), ("row_step", -1)):
+        for name, fill in (("row_id", -1), ("row_step", -1), ("next_use", -1)):
             setattr(self, name, np.concatenate([getattr(self, name), np.full(extra, fill, dtype=np.int64)]))
         self.dirty = np.concatenate([self.dirty, np.zeros(extra, dtype=bool)])
         self.maybe_resident = np.concatenate([self.maybe_resident, np.zeros(extra, dtype=bool)])
@@ -323,7 +336,8 @@ class HostRowCache:
         self.table.drain()
         self.writes = []
         self.inner._resize_rows(self.base)
-        for name in ("row_id", "row_step", "dirty", "free_mask", "maybe_resident", "announced", "row_load"):
+        for name in ("row_id", "row_step", "next_use", "dirty", "free_mask", "maybe_resident", "announced",
+                     "row_load"):
             setattr(self, name, getattr(self, name)[: self.base].copy())
 
     def host_bytes(self) -> int:

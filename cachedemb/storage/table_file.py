@@ -524,6 +524,10 @@ def _check_expected(path: Path, header: TableHeader, expect: TableHeader) -> Non
         raise TableMismatchError(f"table file {str(path)!r} carries optimizer state "
                                  f"{[(n, c) for n, c, _ in got[3]]} ({header.optimizer or 'none'}), not the "
                                  f"{[(n, c) for n, c, _ in want[3]]} of {expect.optimizer or 'no optimizer'}")
+    if header.shard != expect.shard:
+        raise TableMismatchError(f"table file {str(path)!r} holds {header.describe_shard()}, not the "
+                                 f"{expect.describe_shard()} asked for (another rank's file, or a job of another "
+                                 "world size or plan: a table on file is not resharded)")
 
 
 def _advise_random(fd: int) -> None:

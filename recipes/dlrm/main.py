@@ -9,7 +9,9 @@ Under torchrun (`torchrun --nproc_per_node=N -m cachedemb.recipes.dlrm.main ...`
 sharded with cachedemb.distributed.shard (gloo on CPU, NCCL on GPU with device = LOCAL_RANK); rank r trains on
 global batches r, r + N, ... (disjoint slices), evaluation metrics and samples/s are reduced across ranks and
 printed by rank 0, and checkpoints are torch.distributed.checkpoint directories (latest.dcp) that --resume loads at any
-world size (a single-process run included).
+world size (a single-process run included). With --table-dir each rank keeps its rows of each table in a file of its
+own (`<table>.rank<r>of<w>.cemb`, --host-cache-mb per rank); the checkpoints then name the files' snapshots, so
+--resume continues at the same world size (the final checkpoint is `final.dcp`, not a gathered final.pt).
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ CHECKPOINT = "latest.pt"
 DIST_CHECKPOINT = "latest.dcp"  # a torch.distributed.checkpoint directory (sharded runs), + TRAINER inside
 TRAINER = "trainer.pt"  # dense optimizer, position, RNG of a sharded run
 FINAL = "final.pt"
+FINAL_DIST = "final.dcp"  # the end of a torchrun run with --table-dir: each rank's table files' snapshots
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -227,25 +230,26 @@ def build(args, preset: RunPreset, meta: dict, data_dir: Path):
     torch.manual_seed(args.seed)
     sparse_opt = SPARSE_OPTIMIZERS[args.optimizer](lr=args.lr)
     distributed = getattr(args, "world", 1) > 1
-    # Under torchrun the tables are built on the meta device: shard() then allocates only this rank's rows,
-    # drawn as one process would draw them (the same on every rank and at any world size).
+    storage = {}
+    if args.table_dir is not None:
+        Path(args.table_dir).mkdir(parents=True, exist_ok=True)
+        # On --resume the previous run may have died with the files open: its last snapshots are intact and
+        # the checkpoint names the one to continue from. Under torchrun each rank keeps its rows of each table
+        # in its own file (<table>.rank<r>of<w>.cemb) behind --host-cache-mb of its own.
+        storage["storage"] = cachedemb.FileStorage(args.table_dir, host_cache_bytes=args.host_cache_mb << 20,
+                                                   recover=bool(args.resume))
+    # Under torchrun the tables are built on the meta device: shard() then allocates only this rank's rows
+    # (in memory, or in the rank's files), drawn as one process would draw them (on every rank, any world size).
     sparse_arch = (cachedemb.CachedEmbeddingBagCollection(config.tables(), cache_ratio=args.cache_ratio,
-                                                          optimizer=sparse_opt, id_freq=id_freq, device="meta")
+                                                          optimizer=sparse_opt, id_freq=id_freq, device="meta",
+                                                          **storage)
                    if distributed else None)
+    if distributed:
+        storage = {}  # (in sparse_arch)
     sized = {}
     if args.cache_budget is not None:
         args.sizing_plan = size_caches(args, config, sparse_opt, data_dir)
         sized = {"cache_rows": args.sizing_plan.cache_rows}
-    storage = {}
-    if args.table_dir is not None:
-        if distributed:
-            raise ValueError("--table-dir with a sharded (torchrun) run is not supported yet: each rank would need "
-                             "the file of its own shard; run one process, or keep the tables in memory")
-        Path(args.table_dir).mkdir(parents=True, exist_ok=True)
-        # On --resume the previous run may have died with the files open: its last snapshots are intact and
-        # the checkpoint names the one to continue from.
-        storage["storage"] = cachedemb.FileStorage(args.table_dir, host_cache_bytes=args.host_cache_mb << 20,
-                                                   recover=bool(args.resume))
     model = DLRM(config, cache_ratio=args.cache_ratio, optimizer=sparse_opt, id_freq=id_freq,
                  device=torch.device(args.device), sparse_arch=sparse_arch, **sized, **storage)
     if distributed:
@@ -323,6 +327,22 @@ def save_distributed_checkpoint(directory: Path, model, dense_opt, position: dic
         fsync_directory(directory)
         if previous is not None and previous != target.resolve():
             shutil.rmtree(previous, ignore_errors=True)
+    dist.barrier()
+
+
+def save_final_distributed(directory: Path, model, dense_opt, position: dict, args) -> None:
+    """The end of a torchrun run with --table-dir: a sharded checkpoint `final.dcp` naming each rank file's
+    snapshot (the rows stay in the files; gathering them would hold every table in rank 0's memory)."""
+    from cachedemb.distributed import checkpoint as dcp_ckpt
+
+    target = directory / FINAL_DIST
+    if args.rank == 0:
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+    dist.barrier()
+    dcp_ckpt.save_checkpoint(model, str(target))
+    if args.rank == 0:
+        cachedemb.save_checkpoint(_trainer_state(dense_opt, position), target / TRAINER)
     dist.barrier()
 
 
@@ -591,7 +611,9 @@ def _train_and_evaluate(args, model, dense_opt, train_split, val_split) -> dict:
         logger.close()
     if args.checkpoint_dir and not metrics["stopped_early"]:
         final_position = {"epoch": args.epochs, "batch": 0, "step": metrics["steps"]}
-        if args.world > 1:  # the unsharded state_dict, as a single-process run writes it
+        if args.world > 1 and args.table_dir is not None:  # the rows stay in the ranks' files
+            save_final_distributed(Path(args.checkpoint_dir), model, dense_opt, final_position, args)
+        elif args.world > 1:  # the unsharded state_dict, as a single-process run writes it
             from cachedemb.distributed import gather_full_state_dict
 
             full = gather_full_state_dict(model)

@@ -59,3 +59,21 @@ def test_two_rank_run_then_resume_at_one_rank(tmp_path):
     # ... and --resume at 1 rank continues there: epoch 1's 4 global batches are 4 steps at world size 1.
     resumed = dlrm_main.main(run + ["--epochs", "2", "--resume"])
     assert resumed["steps"] == 6 and resumed["world_size"] == 1  # (a shuffled partial batch may be among them)
+
+
+def test_two_rank_table_dir_trains_as_in_memory_and_resumes(tmp_path):
+    """--table-dir under torchrun: each rank keeps its rows of each table in its own files behind a 1 MiB host
+    cache; a run stopped after step 1 and resumed from its step-1 checkpoint (the snapshots it names) ends with
+    the 2-rank in-memory run's AUC and log loss, bit for bit."""
+    data_dir = str(tmp_path / "data")
+    run = COMMON + ["--data-dir", data_dir, "--epochs", "1", "--optimizer", "adam"]
+    memory = run_spawned(_rank, 2, run, timeout_s=180)[0]
+    part = run + ["--checkpoint-dir", str(tmp_path / "ckpt"), "--table-dir", str(tmp_path / "tables"),
+                  "--host-cache-mb", "1"]
+    run_spawned(_rank, 2, part + ["--checkpoint-every", "1", "--stop-after-steps", "1"], timeout_s=180)
+    files = sorted(p.name for p in (tmp_path / "tables").glob("*.cemb"))
+    assert files and all(".rank0of2." in f or ".rank1of2." in f for f in files), files
+    resumed = run_spawned(_rank, 2, part + ["--resume"], timeout_s=180)[0]
+    assert resumed["steps"] == memory["steps"] == 2
+    assert (resumed["auc"], resumed["logloss"]) == (memory["auc"], memory["logloss"])
+    assert (tmp_path / "ckpt" / "final.dcp").is_dir() and not (tmp_path / "ckpt" / "final.pt").exists()
