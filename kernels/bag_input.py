@@ -8,7 +8,6 @@ past offsets[-1]) become `pad_id`. For a 2-D input ([bags, width], offsets None)
 and only the range is checked. `invalid` ([2] int64, added to) counts the ids made padding (outside lookups
 excluded) and the offsets changed. Program 0 repairs the offsets (one sequential scan), the others the ids.
 """
-from __future__ import annotations
 
 import torch
 import triton

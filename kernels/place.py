@@ -21,7 +21,6 @@ their counts added to the host's with `train`. `stats` gets evictions, rows in a
 Both have a torch reference of the same signature (`*_torch`); the Triton index layout may differ from the
 reference's (compare-and-swap claims in GPU order), every other output is the same.
 """
-from __future__ import annotations
 
 import torch
 import triton

@@ -30,7 +30,6 @@ every batch) and the same kernels select from the given scores.
 `pool_rank_torch` is the reference (same signature; a host decision instead of the gate; its pool's order may
 differ, the victims do not).
 """
-from __future__ import annotations
 
 import torch
 import triton

@@ -137,13 +137,17 @@ class LaunchCounter:
         self._stack.close()
 
     def _patch(self, cls) -> None:
-        real = cls.run
+        # Triton < 3.2's interpreter launches through GridExecutor.__call__ (InterpretedFunction.run is set per
+        # instance there), later ones through the class's `run`.
+        attr = "__call__" if cls.__name__ == "GridExecutor" else "run"
+        real = getattr(cls, attr)
+        interpreted = cls.__name__ in ("InterpretedFunction", "GridExecutor")
         counter = self
 
         def run(fn, *args, **kwargs):
             if counter.active and counter.in_kernel == 0:
                 counter.counts.add(f"triton.{fn.fn.__name__}", True, _library_site())
-            if not counter.execute and cls.__name__ == "InterpretedFunction":
+            if not counter.execute and interpreted:
                 return None
             counter.in_kernel += 1
             try:
@@ -151,16 +155,16 @@ class LaunchCounter:
             finally:
                 counter.in_kernel -= 1
 
-        cls.run = run
-        self._stack.callback(setattr, cls, "run", real)
+        setattr(cls, attr, run)
+        self._stack.callback(setattr, cls, attr, real)
 
 
 def _kernel_classes() -> list:
     from triton.runtime.jit import JITFunction
     classes = [JITFunction]
     try:
-        from triton.runtime.interpreter import InterpretedFunction
-        classes.append(InterpretedFunction)
+        from triton.runtime.interpreter import GridExecutor, InterpretedFunction
+        classes.append(InterpretedFunction if "run" in vars(InterpretedFunction) else GridExecutor)
     except ImportError:
         pass
     return classes
