@@ -366,9 +366,6 @@ class EmbeddingCache:
         self.bump_stats(windows=torch.ones(1, dtype=torch.int64, device=self.device), window_rows_in=n_miss)
         self.protected.index_fill_(0, self._resident_or_dump(loc_u), True)
         self._count_protected()
-        if next_use is not None:
-            self.next_use.fill_(-1)
-            self.victim_pool.invalidate()
         self.seconds["admit_window"] += time.perf_counter() - start
         return WindowPlan(loc_u, move)
 
@@ -380,7 +377,10 @@ class EmbeddingCache:
         uses = next_use.uses.to(self.device, non_blocking=True)
         known = (self.slot_ids[:c] == ids) & (uses >= now)
         self.next_use = torch.where(known, uses - now, torch.full_like(uses, -1))
-        self.victim_pool.invalidate()
+        # Only rows used since the last refresh have a later next use now (a lower score): the last windows'
+        # rows, which joined the pool when their protection came off. Every other score stays or rises.
+        if not counts_on_host(self.device):
+            self.victim_pool.invalidate()
 
     def snapshot_slot_ids(self):
         """(host copy of the slot ids, CUDA event after which it is complete, or None): taken without blocking,
@@ -401,7 +401,7 @@ class EmbeddingCache:
         if plan.move is None:
             return
         # The admitted rows' counts land now, after the planning: a later ranking may have left their slots out.
-        self.victim_pool.invalidate()
+        self.victim_pool.include(plan.loc_u, counts_on_host(self.device))
         if stream is None:
             self._move_rows(plan.move)
             return
@@ -441,10 +441,15 @@ class EmbeddingCache:
         self._drop_protection()
 
     def _drop_protection(self) -> None:
-        """Unprotected slots fall back to their real scores, which may be below the victim pool's bound."""
+        """Unprotected slots fall back to their real scores, which may be below the victim pool's bound: they
+        join the pool (where counts are on the host; else the pool is invalidated)."""
+        exact = counts_on_host(self.device)
+        if exact and self.victim_pool.policy is not None:
+            self.victim_pool.include(self.protected[: self.capacity].nonzero().squeeze(1), exact)
+        else:
+            self.victim_pool.invalidate()
         self.protected.zero_()
         self._n_protected.zero_()
-        self.victim_pool.invalidate()
 
     def _count_protected(self) -> None:
         """Recount the window's protected slots (O(cache), once per window)."""

@@ -56,6 +56,18 @@ class VictimPool:
     def invalidate(self) -> None:
         self.policy = None
 
+    def include(self, slots: torch.Tensor, exact: bool) -> None:
+        """Slots whose scores may have dropped (a prefetch window's protection taken off, its rows' next uses
+        moved on) join the candidates, so every slot outside the pool still scores above `bound` and the pool
+        stays exact without a full ranking. Under the CUDA rules (`exact` False: merging would need a sort
+        with a dynamic size) the pool is invalidated instead."""
+        if self.policy is None or self.slots.numel() == self.capacity:
+            return
+        if not exact:
+            self.invalidate()
+            return
+        self.slots = torch.unique(torch.cat([self.slots, slots[(slots >= 0) & (slots < self.capacity)]]))
+
     def tensors(self):
         return [self.slots, self.bound, self.ranked]
 

@@ -1,16 +1,17 @@
 """A host hash map from int64 ids to W int64 words: the look-ahead's per-id memory, O(ids it holds).
 
 Open addressing with linear probing over `keys [S + TAIL + 1]` (EMPTY = -1): an id's home is in [0, S), S a power
-of two kept >= 8/5 x the ids held, and probes run forward into a tail of TAIL positions instead of wrapping round
-(the last position stays EMPTY, so every probe ends). `words [W, S + TAIL + 1]` sit beside the keys (one contiguous column per word), so an id's words are at its key's
-position. The home is the top bits of a multiplicative hash, so ids equal in their low bits (a table's stride,
-a shard's residue) still spread over the map.
+of two kept >= 8/5 x the positions used, and probes run forward into a tail of TAIL positions instead of wrapping
+round (the last position stays EMPTY with zero words: every probe ends, and it stands for "no id"). The words sit
+beside the keys in rows, `words [S + TAIL + 1, W]`, so one gather yields all of an id's words. The home is the top
+bits of a multiplicative hash, so ids equal in their low bits (a table's stride, a shard's residue) still spread.
 
-`drop_empty(positions)` turns the entries there whose words are all zero into TOMB (-2): probes go past a TOMB and
-inserts reuse it, so a map whose ids come and go (the horizon sliding on) stays the same size. When the used
-positions (ids and TOMBs) would pass 5/8 of S, the ids are laid out again in one sort (position = home + the
-run of keys stacked before it: a cummax over the keys sorted by home), TOMBs dropped. Positions stay put between
-relayouts; `relayouts` counts them, so an owner can keep positions.
+`drop_empty(positions)` turns the entries there whose words are all zero into TOMB (-2), unless pinned: probes go
+past a TOMB and inserts reuse it, so a map whose ids come and go (the horizon sliding on) keeps its size. A pinned
+position keeps its id (and its position) until unpinned, words zero or not: an owner holding positions pins them.
+When the used positions (ids and TOMBs) would pass 5/8 of S, the ids with a nonzero word or a pin are laid out
+again in one sort (position = home + the run of keys stacked before it: a cummax over the keys sorted by home) at
+GROW x their number. Positions stay put between relayouts; `relayouts` counts them, so an owner can keep positions.
 
 Host only, for the read-ahead thread: counts are read on the host freely (each probe round keeps only the ids
 still probing), and torch ops release the GIL while they run.
@@ -24,6 +25,7 @@ TOMB = -2
 TAIL = 1024  # probe positions past the last home; a probe that would run past them makes the map grow
 _MULT = -7046029254386353131  # 0x9E3779B97F4A7C15 (2^64 / golden ratio) as a signed int64
 _MIN_SIZE = 16
+GROW = 3  # a relayout sizes the map for this many times the ids it keeps
 _SINGLE_PROBES = 3  # probe rounds of one position each, then WINDOW positions a round
 WINDOW = 16
 _OFFSETS = torch.arange(WINDOW)
@@ -46,11 +48,17 @@ class IdMap:
     def _allocate(self, size: int) -> None:
         self.size = size
         self.keys = torch.full((size + TAIL + 1,), EMPTY, dtype=torch.int64)
-        self.words = torch.zeros(self.width, size + TAIL + 1, dtype=torch.int64)
+        self.words = torch.zeros(size + TAIL + 1, self.width, dtype=torch.int64)
+        self.pinned = torch.zeros(size + TAIL + 1, dtype=torch.bool)
         self.used = 0  # positions holding an id or a TOMB
 
+    @property
+    def none(self) -> int:
+        """A position that holds no id and zero words (for callers that need a position for "no id")."""
+        return self.keys.numel() - 1
+
     def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() + self.words.numel() * self.words.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.words, self.pinned))
 
     def _home(self, ids: torch.Tensor) -> torch.Tensor:
         # the top log2(S) bits of the wrapped product, made non-negative (>> is arithmetic on int64)
@@ -72,7 +80,7 @@ class IdMap:
                 going = (hit.logical_not() & (k != EMPTY)).nonzero().squeeze(1)
                 step = 1
             else:
-                window = (p[:, None] + _OFFSETS).clamp(max=self.keys.numel() - 1)
+                window = (p[:, None] + _OFFSETS).clamp(max=self.none)
                 k = self.keys[window]
                 hit = k == q[:, None]
                 ended = hit | (k == EMPTY)
@@ -90,26 +98,29 @@ class IdMap:
         """Room for `extra` more ids below 5/8 full. Growing lays the map out again, which moves positions:
         call it before finding positions that an insert must not invalidate."""
         if 8 * (self.used + extra) > 5 * self.size:
-            live = self.keys >= 0
-            self._relayout(live, 2 * (int(live.sum()) + extra))
+            kept = self._kept()
+            self._relayout(kept, GROW * (int(kept.sum()) + extra))
 
     def insert(self, ids: torch.Tensor) -> torch.Tensor:
         """Add distinct absent ids (their words zero); returns their positions. Positions found before stay
-        valid if `reserve` made room first (else a growth may move them)."""
+        valid if `reserve` made room first (else a growth may move them: see `relayouts`)."""
         self.reserve(ids.numel())
         pos, reused = self._probe_insert(ids)
         if pos is None:  # a probe ran past the tail (astronomically rare below 5/8 full): lay out bigger
-            live = self.keys >= 0
-            self._relayout(live, 4 * (int(live.sum()) + ids.numel()))
+            kept = self._kept()
+            self._relayout(kept, 2 * GROW * (int(kept.sum()) + ids.numel()))
             pos, reused = self._probe_insert(ids)
         self.used += ids.numel() - reused
         return pos
 
+    def _kept(self) -> torch.Tensor:
+        """Positions a relayout keeps: ids with a nonzero word, and pinned ones."""
+        return (self.keys >= 0) & ((self.words != 0).any(1) | self.pinned)
+
     def drop_empty(self, pos: torch.Tensor) -> None:
-        """The ids at `pos` whose words are all zero leave the map (TOMB: later inserts reuse the position)."""
-        empty = torch.ones(pos.numel(), dtype=torch.bool)
-        for column in self.words:
-            empty &= column.index_select(0, pos) == 0
+        """The ids at `pos` whose words are all zero leave the map (TOMB: later inserts reuse the position),
+        unless pinned."""
+        empty = (self.words.index_select(0, pos) == 0).all(1) & self.pinned.index_select(0, pos).logical_not()
         self.keys.index_fill_(0, pos.index_select(0, empty.nonzero().squeeze(1)), TOMB)
 
     def _probe_insert(self, ids: torch.Tensor):
@@ -120,7 +131,7 @@ class IdMap:
         was = torch.full_like(ids, EMPTY)
         idx = torch.arange(ids.numel())
         q, p = ids, self._home(ids)
-        end = self.size + TAIL  # the last position stays EMPTY
+        end = self.none
         while idx.numel():
             if int(p.max()) >= end:
                 placed = (pos >= 0).nonzero().squeeze(1)
@@ -141,9 +152,9 @@ class IdMap:
 
     def _relayout(self, keep: torch.Tensor, size: int) -> None:
         """Lay the kept ids out afresh in one sort: sorted by home, each takes home + the keys stacked before it
-        (linear probing's layout for that order)."""
+        (linear probing's layout for that order). Pins go with their ids."""
         at = keep.nonzero().squeeze(1)
-        ids, words = self.keys.index_select(0, at), self.words.index_select(1, at)
+        ids, words, pinned = self.keys.index_select(0, at), self.words.index_select(0, at), self.pinned[at]
         size = _pow2_at_least(size)
         while True:
             self._allocate(size)
@@ -152,10 +163,11 @@ class IdMap:
             h = home.index_select(0, order)
             i = torch.arange(h.numel())
             pos = i + torch.cummax(h - i, 0).values if h.numel() else h
-            if not h.numel() or int(pos[-1]) < self.size + TAIL:
+            if not h.numel() or int(pos[-1]) < self.none:
                 break
             size *= 2  # a run longer than the tail: spread out more
         self.keys.index_copy_(0, pos, ids.index_select(0, order))
-        self.words.index_copy_(1, pos, words.index_select(1, order))
+        self.words.index_copy_(0, pos, words.index_select(0, order))
+        self.pinned.index_copy_(0, pos, pinned.index_select(0, order))
         self.used = ids.numel()
         self.relayouts += 1

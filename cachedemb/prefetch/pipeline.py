@@ -32,7 +32,8 @@ class Prefetcher:
     """Iterator over `batches` that keeps the given modules' caches one window ahead (see the package docstring)."""
 
     def __init__(self, batches: Iterable, modules: Sequence, depth: int = 4, horizon: int = 64,
-                 ids: IdsFn | None = None, policy: str | Policy = "lookahead", overlap: bool | None = None):
+                 ids: IdsFn | None = None, policy: str | Policy = "lookahead", overlap: bool | None = None,
+                 threaded: bool = True):
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(f"depth must be an int >= 1 (batches admitted together), got {depth!r}")
         if not isinstance(horizon, int) or isinstance(horizon, bool) or horizon < depth:
@@ -49,7 +50,8 @@ class Prefetcher:
         self.ids_fn = ids
         self.policy = resolve(policy)
         self.overlap = overlap  # None: decided by the caches' device (on for CUDA)
-        self.buffer: deque = deque()  # (batch number, batch, [(cache, ids)])
+        self.threaded = threaded  # False: the read-ahead work runs on this thread (same results, for tests)
+        self.buffer: deque = deque()  # (batch number, batch, [host ids per cache])
         self.caches: list[EmbeddingCache] | None = None
         self.worker: ReadAhead | None = None
         self.read_count = 0
@@ -84,7 +86,7 @@ class Prefetcher:
         self.caches = caches
         self.handoff = [accepts_ahead(c.device) for c in caches]
         self.worker = ReadAhead([c.capacity for c in caches], self.depth, self.horizon,
-                                span=self.read_ahead + SPAN_SLACK, keep_ids=self.handoff)
+                                span=self.read_ahead + SPAN_SLACK, locate=any(self.handoff), threaded=self.threaded)
 
     def _read_one(self) -> bool:
         """Read the next batch and hand its ids to the read-ahead thread. An error reading it is kept and
@@ -108,9 +110,10 @@ class Prefetcher:
             self._end()
             return False
         # Private copies: the caller may reuse or change its tensors; the read-ahead thread reads these later.
-        ids = [t.detach().reshape(-1).clone() if t.device.type == "cpu" else t.detach() for _, t in targets]
+        ids = [t.detach().reshape(-1).to(torch.int64, copy=True) if t.device.type == "cpu" else t.detach()
+               for _, t in targets]
         self.worker.submit_enter(self.read_count, ids)
-        self.buffer.append((self.read_count, batch, targets))
+        self.buffer.append((self.read_count, batch, ids))
         self.read_count += 1
         self._add_seconds("prefetch_read", time.thread_time() - start)
         return True
@@ -132,6 +135,12 @@ class Prefetcher:
             return future.result()
         finally:
             self._add_seconds("prefetch_wait", time.perf_counter() - start)
+
+    def _raise_read_ahead_error(self) -> None:
+        """An error on the read-ahead thread is raised in the training loop at the next batch."""
+        failed = self.worker.worker.failed if self.worker is not None else None
+        if failed is not None:
+            raise failed
 
     def _start_window(self, start: int) -> None:
         """At a window boundary: switch to the window planned one window ago (its rows were moved meanwhile),
@@ -207,9 +216,14 @@ class Prefetcher:
         return [SlotNextUse(ids, u) for (ids, _), u in zip(snapshots, uses)]
 
     # ----------------------------------------------------------------- hand-off to the forward
-    def _request_unique(self, number: int) -> None:
-        if any(self.handoff) and number < self.read_count and number not in self.uniques:
-            self.uniques[number] = self.worker.submit_unique(number)
+    def _request_unique(self, offset: int) -> None:
+        """Ask for the forward unique of the batch `offset` places ahead in the buffer."""
+        if not any(self.handoff) or offset >= len(self.buffer):
+            return
+        number, _, ids = self.buffer[offset]
+        if number not in self.uniques:
+            self.uniques[number] = self.worker.submit_unique(
+                [t if keep else None for t, keep in zip(ids, self.handoff)])
 
     def _hand_off(self, number: int) -> None:
         """Give each cache this batch's unique ids (and, inside a window, their slots) if the read-ahead thread
@@ -257,14 +271,15 @@ class Prefetcher:
         try:
             self._fill()
             self._claim()
-            for number in range(UNIQUE_LEAD):
-                self._request_unique(number)
+            for offset in range(UNIQUE_LEAD):
+                self._request_unique(offset)
             while self.buffer:
                 number, batch, _ = self.buffer[0]
+                self._raise_read_ahead_error()
                 if number >= self.window_end:
                     self._start_window(number)
                 self._hand_off(number)
-                self._request_unique(number + UNIQUE_LEAD)
+                self._request_unique(UNIQUE_LEAD)
                 # This batch's forward (one per cache) is all hits; any other forward meanwhile (an eval batch)
                 # waits for an in-flight window transfer before it serves rows from the host.
                 for cache in self.caches:

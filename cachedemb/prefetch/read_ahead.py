@@ -1,8 +1,9 @@
 """The read-ahead thread: every batch's id work that no forward waits for, off the training loop's thread.
 
 The caller's thread reads each batch from the source and extracts its ids per cache (module code, in batch order:
-collectives, RNG use and module state stay where they were), then hands the ids here. One worker thread, tasks in
-submission order, owns everything below, so nothing here is shared with the training thread but the futures:
+collectives, RNG use and module state stay where they were), then hands the ids here. One worker thread owns
+everything below, so nothing here is shared with the training thread but the futures. Its tasks run in
+submission order, except the forward uniques, which go first (a forward is waiting for them soonest):
 
 - `enter`: each cache's distinct ids of the batch (a sort), `NextUseTracker.enter`, then every window that can be
   planned (`windows.plan_window`: the unions, built once);
@@ -14,14 +15,15 @@ submission order, owns everything below, so nothing here is shared with the trai
 Ids that live on a CUDA device are copied to pinned host memory without blocking; the worker waits for the copy's
 event, never the training thread. Torch ops release the GIL, so on a multi-core machine the worker runs beside
 the step. An exception in a task is kept in its future and raised in the caller's thread when it asks for the
-result; `close` cancels what was not started and joins the thread.
+result; `close` cancels what was not started and joins the thread. `threaded=False` runs every task at once
+on the caller's thread (the same results: the tests compare the two).
 """
 from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import defaultdict, deque
+from concurrent.futures import Future
 
 import torch
 
@@ -41,34 +43,98 @@ def to_host(ids: torch.Tensor):
     return ids.to(torch.int64), None
 
 
+class Worker:
+    """One thread running submitted calls: urgent ones first, the rest in submission order."""
+
+    def __init__(self, threaded: bool = True):
+        self.threaded = threaded
+        self.urgent: deque = deque()
+        self.ordered: deque = deque()
+        self.ready = threading.Condition()
+        self.stopping = False
+        self.failed: BaseException | None = None
+        self.thread = None
+        if threaded:
+            self.thread = threading.Thread(target=self._run, name="cachedemb-read-ahead", daemon=True)
+            self.thread.start()
+
+    def submit(self, fn, *args, urgent: bool = False) -> Future:
+        future = Future()
+        if not self.threaded:
+            self._call(future, fn, args)
+            return future
+        with self.ready:
+            if self.stopping:
+                future.cancel()
+                return future
+            (self.urgent if urgent else self.ordered).append((future, fn, args))
+            self.ready.notify()
+        return future
+
+    def _call(self, future: Future, fn, args) -> None:
+        """Run one call; after a call failed, every later one fails with that error (the state it left is
+        not to be built on), which `failed` also holds for the caller to raise."""
+        if not future.set_running_or_notify_cancel():
+            return
+        if self.failed is not None:
+            future.set_exception(self.failed)
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 -- handed to the caller's thread through the future
+            self.failed = error
+            future.set_exception(error)
+
+    def _run(self) -> None:
+        while True:
+            with self.ready:
+                while not (self.urgent or self.ordered or self.stopping):
+                    self.ready.wait()
+                if self.stopping:
+                    return
+                future, fn, args = (self.urgent or self.ordered).popleft()
+            self._call(future, fn, args)
+
+    def close(self) -> None:
+        """Cancel what has not started; wait for the running call."""
+        if self.thread is None:
+            return
+        with self.ready:
+            self.stopping = True
+            for future, _, _ in list(self.urgent) + list(self.ordered):
+                future.cancel()
+            self.urgent.clear()
+            self.ordered.clear()
+            self.ready.notify()
+        self.thread.join()
+
+
 class ReadAhead:
     """Worker-thread state for caches of `capacities` rows, windows of up to `depth` batches, next uses over
-    `horizon` batches; `span` batches of uses are kept (the read-ahead distance plus slack). `keep_ids[c]`: keep
-    cache c's ids until its forward's unique is asked for (the caches that take a hand-off)."""
+    `horizon` batches; `span` batches of uses are kept (the read-ahead distance plus slack). `locate`: find each
+    batch's ids in its window's union (for the forward hand-off)."""
 
-    def __init__(self, capacities: list[int], depth: int, horizon: int, span: int, keep_ids: list[bool]):
-        self.depth, self.horizon, self.keep_ids = depth, horizon, list(keep_ids)
-        self.locate = any(keep_ids)
+    def __init__(self, capacities: list[int], depth: int, horizon: int, span: int, locate: bool,
+                 threaded: bool = True):
+        self.depth, self.horizon, self.locate = depth, horizon, locate
         self.trackers = [NextUseTracker(None, span) for _ in capacities]
         self.capacities = list(capacities)
-        self.uniq: dict[int, list[torch.Tensor]] = {}  # batch -> distinct ids per cache, until its window is planned
-        self.ids: dict[int, list[torch.Tensor]] = {}  # batch -> host ids per cache, until its forward's unique
         self.entered = 0
         self.total: int | None = None  # batches in the source, once it ended
         self.next_start = 0  # the next window to plan
         self.lock = threading.Lock()
         self.windows: dict[int, Future] = {}
         self.seconds: list[dict[str, float]] = [defaultdict(float) for _ in capacities]
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="cachedemb-read-ahead")
+        self.worker = Worker(threaded)
 
     # ----------------------------------------------------------------- caller's thread
     def submit_enter(self, number: int, ids: list[torch.Tensor]) -> Future:
         """Batch `number`'s ids per cache (host tensors the caller will not change, or device tensors)."""
         staged = [to_host(t) for t in ids]
-        return self.executor.submit(self._enter, number, staged)
+        return self.worker.submit(self._enter, number, staged)
 
     def submit_end(self, total: int) -> Future:
-        return self.executor.submit(self._end, total)
+        return self.worker.submit(self._end, total)
 
     def window_future(self, start: int) -> Future:
         """The window starting at `start`, once the worker planned it."""
@@ -77,12 +143,14 @@ class ReadAhead:
                 self.windows[start] = Future()
             return self.windows[start]
 
-    def submit_unique(self, number: int) -> Future:
-        return self.executor.submit(self._unique_for, number)
+    def submit_unique(self, ids: list[torch.Tensor | None]) -> Future:
+        """Per cache: (ids, unique_ids(ids, None, return_groups=True)) of host ids the caller will not change,
+        or None where ids is None: what that batch's forward computes (urgent)."""
+        return self.worker.submit(self._unique, ids, urgent=True)
 
     def submit_next_use(self, now: int, snapshots: list) -> Future:
         """Next uses in [now, now + horizon) of the ids of each snapshot (host ids, CUDA event or None)."""
-        return self.executor.submit(self._next_use, now, snapshots)
+        return self.worker.submit(self._next_use, now, snapshots)
 
     def take_seconds(self) -> list[dict[str, float]]:
         with self.lock:
@@ -90,7 +158,7 @@ class ReadAhead:
         return out
 
     def close(self) -> None:
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.worker.close()
         with self.lock:
             for future in self.windows.values():
                 future.cancel()
@@ -103,7 +171,6 @@ class ReadAhead:
         return now
 
     def _enter(self, number: int, staged) -> None:
-        ids = []
         for c, (host, event) in enumerate(staged):
             start = time.thread_time()
             if event is not None:
@@ -112,10 +179,6 @@ class ReadAhead:
             start = self._time(c, "prefetch_unique", start)
             self.trackers[c].enter(number, uniq)
             self._time(c, "prefetch_next_use", start)
-            ids.append(host if self.keep_ids[c] else None)
-            self.uniq.setdefault(number, []).append(uniq)
-        if any(self.keep_ids):
-            self.ids[number] = ids
         self.entered = number + 1
         self._plan_windows()
 
@@ -131,29 +194,22 @@ class ReadAhead:
             if available <= 0 or (available < self.depth and self.total is None):
                 return
             began = time.thread_time()
-            info = plan_window(start, [self.uniq[b] for b in range(start, start + min(available, self.depth))],
-                               self.capacities, self.depth, self.locate)
+            info = plan_window(start, available, self.trackers, self.capacities, self.depth, self.locate)
             for c in range(len(self.capacities)):
                 self._time(c, "prefetch_window_plan", began)
-            for b in range(start, info.end):
-                self.uniq.pop(b)
             self.next_start = info.end
             future = self.window_future(start)
             if not future.cancelled():
                 future.set_result(info)
 
-    def _unique_for(self, number: int) -> list:
-        """Per cache: (ids, unique_ids(ids, None, return_groups=True)) of batch `number`, what its forward
-        computes, or None for a cache that takes no hand-off. Batches before it are not asked for any more."""
-        for old in [b for b in self.ids if b < number]:
-            del self.ids[old]
+    def _unique(self, ids: list[torch.Tensor | None]) -> list:
         out = []
-        for c, ids in enumerate(self.ids.pop(number, [None] * len(self.keep_ids))):
-            if ids is None:
+        for c, host in enumerate(ids):
+            if host is None:
                 out.append(None)
                 continue
             start = time.thread_time()
-            out.append((ids, unique_ids_torch(ids, None, return_groups=True)))
+            out.append((host, unique_ids_torch(host, None, return_groups=True)))
             self._time(c, "prefetch_forward_unique", start)
         return out
 
@@ -167,6 +223,6 @@ class ReadAhead:
             start = time.thread_time()
             if event is not None:
                 event.synchronize()
-            out.append(self.trackers[c].first_use(ids, now, self.horizon))
+            out.append(self.trackers[c].slot_uses(ids, now, self.horizon))
             self._time(c, "prefetch_next_use_query", start)
         return out
