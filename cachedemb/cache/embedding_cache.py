@@ -159,6 +159,7 @@ class EmbeddingCache:
         # transfer is in flight waits for it, since the rows it serves from the host may be in transit.
         self.window_forwards_left = 0
         self.ahead: AheadBatch | None = None  # the pipeline's hand-off for the next forward (cache/ahead.py)
+        self._windows: list[torch.Tensor] = []  # slots (loc_u) of the prefetch windows protected now
         self.table_starts = self.table_ranks = None  # set_tables(): per-table ranks for the policies
 
     # ----------------------------------------------------------------- device buffers
@@ -366,6 +367,7 @@ class EmbeddingCache:
         self.bump_stats(windows=torch.ones(1, dtype=torch.int64, device=self.device), window_rows_in=n_miss)
         self.protected.index_fill_(0, self._resident_or_dump(loc_u), True)
         self._count_protected()
+        self._windows.append(loc_u)
         self.seconds["admit_window"] += time.perf_counter() - start
         return WindowPlan(loc_u, move)
 
@@ -400,8 +402,11 @@ class EmbeddingCache:
         their end. Without one they run in order on the current stream (or at once on CPU)."""
         if plan.move is None:
             return
-        # The admitted rows' counts land now, after the planning: a later ranking may have left their slots out.
-        self.victim_pool.include(plan.loc_u, counts_on_host(self.device))
+        # The admitted rows' counts land now, after the planning: a ranking in between may have left their slots
+        # out. Where counts are on the host the copies run right after the planning (no ranking in between), and
+        # the slots are protected until they join the pool when the window ends.
+        if not counts_on_host(self.device):
+            self.victim_pool.invalidate()
         if stream is None:
             self._move_rows(plan.move)
             return
@@ -418,15 +423,17 @@ class EmbeddingCache:
 
     def activate_window(self, plan: WindowPlan) -> None:
         """Make the current stream wait for the window's rows, then protect exactly that window (O(cache), once
-        per window: `seconds["window_protect"]`)."""
+        per window: `seconds["window_protect"]`); nothing to change if it is the only window protected."""
         start = time.perf_counter()
         if plan.done is not None:
             torch.cuda.current_stream(self.device).wait_event(plan.done)
             if self._pending is plan.done:
                 self._pending = None
-        self._drop_protection()
-        self.protected.index_fill_(0, self._resident_or_dump(plan.loc_u), True)
-        self._count_protected()
+        if any(loc is not plan.loc_u for loc in self._windows):
+            self._drop_protection()
+            self.protected.index_fill_(0, self._resident_or_dump(plan.loc_u), True)
+            self._count_protected()
+            self._windows = [plan.loc_u]
         self.seconds["window_protect"] += time.perf_counter() - start
 
     def _resident_or_dump(self, loc: torch.Tensor) -> torch.Tensor:
@@ -443,11 +450,9 @@ class EmbeddingCache:
     def _drop_protection(self) -> None:
         """Unprotected slots fall back to their real scores, which may be below the victim pool's bound: they
         join the pool (where counts are on the host; else the pool is invalidated)."""
-        exact = counts_on_host(self.device)
-        if exact and self.victim_pool.policy is not None:
-            self.victim_pool.include(self.protected[: self.capacity].nonzero().squeeze(1), exact)
-        else:
-            self.victim_pool.invalidate()
+        if self._windows:
+            self.victim_pool.include(torch.cat(self._windows), counts_on_host(self.device))
+        self._windows = []
         self.protected.zero_()
         self._n_protected.zero_()
 

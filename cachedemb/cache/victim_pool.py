@@ -51,6 +51,7 @@ class VictimPool:
         self.rankings = 0  # full rankings launched so far (host count; gated ones included)
         self.ranked = torch.zeros(1, dtype=torch.int64, device=self.device)  # rankings that ran ungated or drained
         self.k1 = 0  # victims the pool serves per batch (CUDA rules), fixed at its ranking
+        self.ranked_size = 0  # the pool's size at its last full ranking
         self.misses = MissEstimate(self.device)
 
     def invalidate(self) -> None:
@@ -66,7 +67,11 @@ class VictimPool:
         if not exact:
             self.invalidate()
             return
-        self.slots = torch.unique(torch.cat([self.slots, slots[(slots >= 0) & (slots < self.capacity)]]))
+        merged = torch.unique(torch.cat([self.slots, slots[(slots >= 0) & (slots < self.capacity)]]))
+        if merged.numel() > 2 * self.ranked_size:  # re-scoring it would cost more than a ranking saves
+            self.invalidate()
+            return
+        self.slots = merged
 
     def tensors(self):
         return [self.slots, self.bound, self.ranked]
@@ -146,6 +151,7 @@ class VictimPool:
         all_protected = protected(None)
         score = score_all(policy, all_protected, gate)
         unprotect_hits(score)
+        self.ranked_size = size
         if size < self.capacity:
             self.slots = kernels.victim_select(score, size, exact, gate=gate)  # ascending score
             self.bound = score[self.slots[-1:]]
