@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from .dispatch import backend_for, gpu_shapes, on_device, persistent_programs
-from .pooled_forward import MODE_MAX, MODE_MEAN, MODE_SUM, acc_dtype, lookup_rows_of, tl_acc_dtype, with_host_rows
+from .pooled_forward import (MODE_MAX, MODE_MEAN, MODE_SUM, acc_dtype, ieee_div, lookup_rows_of, tl_acc_dtype,
+                             with_host_rows)
 
 
 def bag_of_lookup(offsets: torch.Tensor, n_lookups: int) -> torch.Tensor:
@@ -173,11 +174,20 @@ def kahan_add(b_g, b_c, b_x, BLOCK_L: tl.constexpr):
     return b_g, b_c
 
 
+# How the segment kernels weigh a lookup's grad_out[bag] (sum / mean): SCALE_GIVEN reads `scale [B]` (lookup_scale);
+# the others need no [B] buffer: SCALE_ONE (sum), SCALE_PSW (`scale` = the per-sample weights), SCALE_BAG (mean:
+# `scale` = each bag's non-padding lookups, clamped to >= 1, as the forward counted them). Lookups in a group are
+# never padding, so these equal lookup_scale's factors bit for bit.
+SCALE_GIVEN, SCALE_ONE, SCALE_PSW, SCALE_BAG = range(4)
+
+
 @triton.jit
-def segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D,
-                 MODE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+def segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, lead,
+                 MODE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+                 SCALE: tl.constexpr):
     """ACC (fp32, or fp64 for an fp64 grad_out) gradient [BLOCK_D] of lookups perm[bos:eos] (one id's, lookup
-    order), accumulated by kahan_add."""
+    order), accumulated by kahan_add. Bag b's gradient is grad_out row b - lead (phantom bags before the
+    caller's hold only padding lookups, never in a group)."""
     b_g = tl.zeros([BLOCK_D], dtype=ACC)
     b_c = tl.zeros([BLOCK_D], dtype=ACC)
     for k in range(bos, eos, BLOCK_L):
@@ -187,21 +197,24 @@ def segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D,
         b_b = tl.load(bag + b_i, mask=m_k, other=0)
         m_t = m_k[:, None] & m_d[None, :]
         o_t = b_b[:, None] * D + o_d[None, :]
-        b_go = tl.load(grad_out + o_t, mask=m_t, other=0.0).to(ACC)
+        b_go = tl.load(grad_out + (b_b - lead)[:, None] * D + o_d[None, :], mask=m_t, other=0.0).to(ACC)
         if MODE == 2:
             # element d of bag b belongs to the lookup the forward picked as its max
             b_mp = tl.load(max_pos + o_t, mask=m_t, other=-1)
             b_go = tl.where(b_mp == b_i[:, None], b_go, 0.0)
-        else:
+        elif SCALE == 0 or SCALE == 2:
             b_go = b_go * tl.load(scale + b_i, mask=m_k, other=0.0).to(ACC)[:, None]
+        elif SCALE == 3:
+            b_n = tl.load(scale + b_b, mask=m_k, other=1.0).to(ACC)
+            b_go = b_go * ieee_div(tl.full([BLOCK_L], 1.0, ACC), b_n)[:, None]
         b_g, b_c = kahan_add(b_g, b_c, b_go, BLOCK_L)
     return b_g
 
 
 @triton.jit
-def unique_grad(grad_out, perm, ptr, cptr, partial, bag, scale, max_pos, i_u, o_d, m_d, D,
+def unique_grad(grad_out, perm, ptr, cptr, partial, bag, scale, max_pos, i_u, o_d, m_d, D, lead,
                 MODE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
-                CHUNKED: tl.constexpr):
+                CHUNKED: tl.constexpr, SCALE: tl.constexpr):
     """Gradient [BLOCK_D] of unique position i_u: its lookups reduced here, or (CHUNKED, a long segment) the
     partial sums of its chunks partial[cptr[i_u]:cptr[i_u+1]] added in chunk order: a fixed order, so the
     result is the same bits on every run."""
@@ -217,10 +230,11 @@ def unique_grad(grad_out, perm, ptr, cptr, partial, bag, scale, max_pos, i_u, o_
                 b_p = tl.load(partial + o_k[:, None] * D + o_d[None, :], mask=m_t, other=0.0)
                 b_g, b_c = kahan_add(b_g, b_c, b_p, BLOCK_L)
         else:
-            b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, MODE, BLOCK_L, BLOCK_D,
-                               ACC)
+            b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, lead, MODE, BLOCK_L,
+                               BLOCK_D, ACC, SCALE)
     else:
-        b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, MODE, BLOCK_L, BLOCK_D, ACC)
+        b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, lead, MODE, BLOCK_L, BLOCK_D,
+                           ACC, SCALE)
     return b_g
 
 
@@ -237,11 +251,13 @@ def segment_partials_kernel(
     partial,  # [K, D] ACC out: each chunk's sum
     G,  # groups (unique positions)
     D,
+    lead,  # grad_out row of bag b: b - lead
     CHUNK: tl.constexpr,
     MODE: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ACC: tl.constexpr,
+    SCALE: tl.constexpr,
 ):
     """Phase 1 of a split segment: chunk k of group j = chunk_seg[k] is lookups CHUNK * (k - cptr[j]) onwards
     of the group; persistent programs loop over the chunks up to the device-side count cptr[G]."""
@@ -253,7 +269,8 @@ def segment_partials_kernel(
         j = tl.load(chunk_seg + k)
         bos = tl.load(ptr + j) + (k - tl.load(cptr + j)) * CHUNK
         eos = tl.minimum(bos + CHUNK, tl.load(ptr + j + 1))
-        b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, MODE, BLOCK_L, BLOCK_D, ACC)
+        b_g = segment_grad(grad_out, perm, bag, scale, max_pos, bos, eos, o_d, m_d, D, lead, MODE, BLOCK_L, BLOCK_D,
+                           ACC, SCALE)
         tl.store(partial + k * D + o_d, b_g, mask=m_d)
         k += tl.num_programs(0)
 
@@ -271,7 +288,8 @@ def segment_chunks(ptr: torch.Tensor, n_lookups: int, chunk: int):
     return cptr, chunk_seg
 
 
-def chunk_partials(grad_out, perm, ptr, bag, scale, max_pos, mode, chunk, block_l, block_d):
+def chunk_partials(grad_out, perm, ptr, bag, scale, max_pos, mode, chunk, block_l, block_d, lead: int = 0,
+                   scale_kind: int = SCALE_GIVEN):
     """Phase 1 (see segment_partials_kernel): (cptr, partial [K, D]) for unique_grad, or None when no group can
     be long (chunk None, or fewer than `chunk` lookups in all)."""
     n_lookups, dim = perm.numel(), grad_out.shape[1]
@@ -282,8 +300,9 @@ def chunk_partials(grad_out, perm, ptr, bag, scale, max_pos, mode, chunk, block_
     grid = (persistent_programs(grad_out.device, chunk_seg.numel()), triton.cdiv(dim, block_d))
     with on_device(grad_out):
         segment_partials_kernel[grid](grad_out, perm, ptr, cptr, chunk_seg, bag, scale, max_pos, partial,
-                                      ptr.numel() - 1, dim, CHUNK=chunk, MODE=mode,
+                                      ptr.numel() - 1, dim, lead, CHUNK=chunk, MODE=mode,
                                       BLOCK_L=block_l, BLOCK_D=block_d, ACC=tl_acc_dtype(grad_out.dtype),
+                                      SCALE=scale_kind,
                                       **backward_launch(block_l, block_d, grad_out.dtype == torch.float64))
     return cptr, partial
 
@@ -315,8 +334,8 @@ def bag_backward_kernel(
     m_d = o_d < D
     for i in range(i_p, n_rows, tl.num_programs(0)):
         i_u = tl.cast(i, tl.int64)
-        b_g = unique_grad(grad_out, perm, ptr, cptr, partial, bag, scale, max_pos, i_u, o_d, m_d, D, MODE, BLOCK_L,
-                          BLOCK_D, ACC, CHUNKED)
+        b_g = unique_grad(grad_out, perm, ptr, cptr, partial, bag, scale, max_pos, i_u, o_d, m_d, D, 0, MODE,
+                          BLOCK_L, BLOCK_D, ACC, CHUNKED, 0)
         if HAS_GSCALE:
             # positions without lookups (past the unique count) keep their 0 and never read their factor
             live = tl.load(ptr + i_u + 1) > tl.load(ptr + i_u)

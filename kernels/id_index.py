@@ -5,15 +5,20 @@ Layout: one int64 table `keys [H]`, H a power of two >= 2 x cache rows (16 bytes
 is a power of two). An entry is EMPTY (-1), TOMB (-2, a deleted id: probes go past it, inserts reuse it) or a
 resident id and its slot packed as `id << 30 | slot` (ids < 2^33, slots < 2^30), so one load per probe compares
 the id and yields the slot. An id's home is the low bits of murmur3's 64-bit finalizer, so ids
-equal in their low bits (multiples of 2^32, strided ids) spread over the table. Linear probing, bounded: no key
-sits more than MAX_PROBE positions past its home, so a lookup stops at the id, at an EMPTY, or after MAX_PROBE.
+equal in their low bits (multiples of 2^32, strided ids) spread over the table. Linear probing: a lookup walks
+from the id's home to the id or to an EMPTY (no resident id sits past an EMPTY of its chain: inserts take the
+first free position, deletes leave TOMB, and EMPTY comes back only with a rebuild of the whole table).
 
-Inserts run in rounds, each a scan then a claim, so the layout does not depend on thread order: every pending
-key looks at the next PROBE_WINDOW positions for the first free one (EMPTY or TOMB) and proposes there; per
-position the largest proposing entry (= the largest id) wins (an atomic max, commutative); losers go on past that position. A key not
-placed within MAX_PROBE positions or INSERT_ROUNDS rounds is reported not inserted (the cache then serves that id
-from the host). `index_build` lays out a whole set of keys at once (sort by home, cummax), for the rare rebuild
-that clears the tombstones.
+Inserts are bounded: an id is placed within MAX_PROBE positions of its home or reported not inserted (the cache
+then serves that id from the host). The Triton insert is one launch: every key walks its chain and claims the
+first free position (EMPTY or TOMB) with an atomic compare-and-swap, so the layout depends on the order the GPU
+runs the keys in, while every lookup answer stays exact. The torch reference inserts in deterministic rounds
+(a scan, then a claim per position won by the largest id, an atomic max that commutes), bounded by
+INSERT_ROUNDS as well. A rebuild lays out every resident id afresh (tombstones cleared): `index_build` (sort by
+home, cummax) on the host-count path; under the CUDA rules two launches gated by a device flag
+(`index_rebuild`: clear, re-insert), so a step with fixed shapes launches the same kernels whether or not it
+rebuilds. A rebuild
+places every id (at load <= 1/2 nothing is far from home), which is why lookups are not bounded by MAX_PROBE.
 
 `early_exit=True` lets a loop stop once no key is pending, which reads a count on the host: free on CPU, a sync
 on CUDA, so the cache passes it only where counts are free; the results are the same either way.
@@ -86,14 +91,14 @@ def index_find_torch(keys: torch.Tensor, query: torch.Tensor, n_query, early_exi
     active = _live_mask(query.numel(), n_query, query.device) & (query >= 0)
     home = _home(query, size)
     idx = torch.arange(query.numel(), device=query.device)
-    # A short first window: at load <= 1/2 most probes end within a couple of positions.
-    for start, width in [(0, 2), (2, PROBE_WINDOW - 2)] + [(s, PROBE_WINDOW) for s in range(PROBE_WINDOW, MAX_PROBE,
-                                                                                                PROBE_WINDOW)]:
+    # A short first window: at load <= 1/2 most probes end within a couple of positions. Chains longer than
+    # MAX_PROBE (only after a rebuild, rare) are walked on while any id is still probing.
+    start, windows = 0, [2, PROBE_WINDOW - 2] + [PROBE_WINDOW] * (MAX_PROBE // PROBE_WINDOW - 1)
+    while start < size:
+        if start >= MAX_PROBE and not bool(active.any()):
+            break
+        width = windows.pop(0) if windows else PROBE_WINDOW
         offs = torch.arange(width, device=query.device)
-        if early_exit:
-            idx = active.nonzero().squeeze(1)
-            if idx.numel() == 0:
-                break
         p = (home[idx, None] + start + offs) & mask  # [n, W]
         k = keys[p]
         a = active[idx]
@@ -103,6 +108,7 @@ def index_find_torch(keys: torch.Tensor, query: torch.Tensor, n_query, early_exi
         pos[idx] = torch.where(found, p.gather(1, first).squeeze(1), pos[idx])
         slot[idx] = torch.where(found, k.gather(1, first).squeeze(1) & SLOT_MASK, slot[idx])
         active[idx] = a & (hit | (k == EMPTY)).any(1).logical_not()
+        start += width
     return pos, slot
 
 
@@ -114,9 +120,8 @@ def _find_compacting(keys: torch.Tensor, query: torch.Tensor, n_query):
     """index_find_torch where counts are free on the host (CPU): the still-probing ids are compacted after
     every probe (nonzero), so each probe touches only them, one position each for the first _SINGLE_PROBES
     positions (no [n, W] windows, no argmax), then PROBE_WINDOW positions at a time. Same answer: the first
-    position of the chain holding the id, the chain ending at an EMPTY or after MAX_PROBE positions (a
-    resident id never sits past an EMPTY of its chain: inserts take the first free position, deletes leave
-    TOMB)."""
+    position of the chain holding the id, the chain ending at an EMPTY (a resident id never sits past an EMPTY
+    of its chain: inserts take the first free position, deletes leave TOMB)."""
     size = keys.numel()
     mask = size - 1
     pos = torch.full_like(query, -1)
@@ -125,8 +130,8 @@ def _find_compacting(keys: torch.Tensor, query: torch.Tensor, n_query):
     q = take(query, idx)
     home = _home(q, size)
     start = 0
-    while idx.numel() and start < MAX_PROBE:
-        width = 1 if start < _SINGLE_PROBES else min(PROBE_WINDOW, MAX_PROBE - start)
+    while idx.numel() and start < size:
+        width = 1 if start < _SINGLE_PROBES else PROBE_WINDOW
         if width == 1:
             p = (home + start) & mask
             k = take(keys, p)
@@ -206,9 +211,10 @@ def _scan_torch(keys, home, dist, pending, narrow: bool = False):
     return target, tdist, dist
 
 
-def index_insert_torch(keys, ids, slots, n, early_exit: bool = False) -> torch.Tensor:
+def index_insert_torch(keys, ids, slots, n, early_exit: bool = False, used: torch.Tensor | None = None):
     """Insert the first n (id, slot) pairs (ids distinct and absent; negative ids skipped). Returns ok [B] bool:
-    False for a skipped id and for one not placed within MAX_PROBE positions / INSERT_ROUNDS rounds."""
+    False for a skipped id and for one not placed within MAX_PROBE positions / INSERT_ROUNDS rounds. `used`
+    ([1] int64, optional) counts the EMPTY positions claimed (positions no longer EMPTY)."""
     size = keys.numel()
     dev = ids.device
     pending = _live_mask(ids.numel(), n, dev) & (ids >= 0)
@@ -226,8 +232,11 @@ def index_insert_torch(keys, ids, slots, n, early_exit: bool = False) -> torch.T
         target, tdist, i_dist = _scan_torch(keys, take(home, idx), take(dist, idx), i_pend, narrow=early_exit)
         proposer = target >= 0
         at = target.clamp(min=0)
+        was_empty = take(keys, at) == EMPTY
         keys.scatter_reduce_(0, at, torch.where(proposer, i_entry, torch.full_like(i_entry, _NO_CHANGE_MAX)), "amax")
         won = proposer & (take(keys, at) == i_entry)
+        if used is not None:
+            used += (won & was_empty).sum()
         i_dist = torch.where(proposer & won.logical_not(), tdist + 1, i_dist)
         ok.index_copy_(0, idx, take(ok, idx) | won)
         dist.index_copy_(0, idx, i_dist)
@@ -238,8 +247,9 @@ def index_insert_torch(keys, ids, slots, n, early_exit: bool = False) -> torch.T
 def index_build(keys, ids, slots) -> torch.Tensor:
     """Lay out every (id >= 0, slot) pair from scratch (tombstones cleared) in O(n log n) with no rounds: keys
     sorted by (home, id) take position i + cummax(home - i) (linear probing in that order); the run that wraps
-    past the end is placed at the front. Keys that would sit MAX_PROBE or more past their home become TOMB (the
-    probe chains of later keys stay whole). Returns ok [n] bool. Backend-independent (sort + cummax)."""
+    past the end is placed at the front. Every key is placed (lookups walk a chain to its end), except where a
+    run wrapped twice, which needs a table nearly full (never at the cache's load <= 5/8): those are reported in
+    ok [n] bool (False). Backend-independent (sort + cummax)."""
     size = keys.numel()
     dev = ids.device
     n = ids.numel()
@@ -260,16 +270,29 @@ def index_build(keys, ids, slots) -> torch.Tensor:
     h = home[order]
     h2 = torch.where(i < n_wrap, torch.zeros_like(h), h)
     pos = i + torch.cummax(h2 - i, 0).values
-    dist = (pos - h) & (size - 1)
     placed = live[order] & (pos < size)
-    ok_s = placed & (dist < MAX_PROBE)
-    entry = torch.where(ok_s, pack(ids[order].clamp(min=0), slots[order].clamp(min=0)), torch.full_like(pos, TOMB))
+    ok_s = placed
+    entry = pack(ids[order].clamp(min=0), slots[order].clamp(min=0))
     table = torch.full((size + 1,), EMPTY, dtype=torch.int64, device=dev)  # + a dump position for the rest
     table.index_put_((torch.where(placed, pos, torch.full_like(pos, size)),), entry)
     keys.copy_(table[:size])
     ok = torch.zeros(n, dtype=torch.bool, device=dev)
     ok[order] = ok_s
     return ok
+
+
+# ---------------------------------------------------------------- device-gated rebuild (reference)
+
+
+def index_rebuild_torch(keys, slot_ids, flag, used) -> None:
+    """Under the CUDA rules, where the [1] device `flag` is set (kernels/place.py sets it, and zeroes `used`, when
+    the index could pass its load limit): lay out every resident id (slot_ids[s] >= 0 sits in slot s) afresh and
+    add their count to `used` (positions not EMPTY). Reference: reads the flag on the host."""
+    if not int(flag):
+        return
+    ids = slot_ids.reshape(-1)
+    index_build(keys, ids, torch.arange(ids.numel(), device=ids.device))
+    used += (keys != EMPTY).sum()
 
 
 # ---------------------------------------------------------------- Triton
@@ -284,23 +307,16 @@ def _mix(x):
     return x ^ ((x >> 33) & 0x7FFFFFFF)
 
 
-@triton.jit(do_not_specialize=["B"])
-def index_find_kernel(p_keys, p_query, n_ptr, o_pos, o_slot, B, MASK, MAX_P: tl.constexpr, BLOCK: tl.constexpr):
-    """Probe from each query's home until the id, an EMPTY, or MAX_P positions; the block stops when all its
-    lanes did."""
-    i_b = tl.program_id(0)
-    o_i = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m_i = o_i < B
-    n = tl.load(n_ptr)
-    b_q = tl.load(p_query + o_i, mask=m_i, other=-1)
+@triton.jit
+def probe_find(p_keys, b_q, m_act, MASK):
+    """(position, slot) of each active lane's id, -1 where absent: each lane walks from its id's home to the id
+    or to an EMPTY; the block stops when all its lanes did."""
     b_home = _mix(b_q) & MASK
-    m_act = m_i & (o_i < n) & (b_q >= 0)
-    b_pos = tl.zeros([BLOCK], dtype=tl.int64) - 1
-    b_slot = tl.zeros([BLOCK], dtype=tl.int64) - 1
-    # The probe distance as a [BLOCK] tensor (equal in every lane): the loop-carried mask then only ever meets
-    # tensor compares. A Python-int distance makes `d + 1 < MAX_P` a Python bool, and `m_act & True` is an int
-    # tensor, not a mask, under Triton 3.9's interpreter ("mask has unsupported dtype").
-    b_d = tl.zeros([BLOCK], dtype=tl.int32)
+    b_pos = tl.zeros_like(b_q) - 1
+    b_slot = tl.zeros_like(b_q) - 1
+    # The probe distance as a tensor (equal in every lane): the loop-carried mask then only ever meets tensor
+    # compares (a Python-int distance makes `m_act & (d < H)` an int tensor under Triton 3.9's interpreter).
+    b_d = tl.zeros_like(b_q)
     n_act = tl.sum(m_act.to(tl.int32), 0)
     while n_act > 0:
         b_p = (b_home + b_d) & MASK
@@ -308,67 +324,92 @@ def index_find_kernel(p_keys, p_query, n_ptr, o_pos, o_slot, B, MASK, MAX_P: tl.
         m_hit = m_act & (b_k >= 0) & ((b_k >> 30) == b_q)
         b_pos = tl.where(m_hit, b_p, b_pos)
         b_slot = tl.where(m_hit, b_k & 0x3FFFFFFF, b_slot)
-        m_act = m_act & (m_hit == 0) & (b_k != -1) & (b_d + 1 < MAX_P)
+        m_act = m_act & (m_hit == 0) & (b_k != -1) & (b_d < MASK)
         b_d += 1
         n_act = tl.sum(m_act.to(tl.int32), 0)
+    return b_pos, b_slot
+
+
+@triton.jit
+def probe_insert(p_keys, b_entry, b_home, m_ins, MASK, max_p):
+    """Each active lane claims the first free position (EMPTY or TOMB) within max_p of its home with a
+    compare-and-swap; a lane that loses a position to another looks at it again (now taken) and goes on.
+    Returns (placed, claimed an EMPTY), bool per lane."""
+    b_d = tl.zeros_like(b_entry)
+    m_act = m_ins
+    m_ok = m_ins & (b_d != 0)
+    m_new = m_ok
+    n_act = tl.sum(m_act.to(tl.int32), 0)
+    while n_act > 0:
+        b_p = (b_home + b_d) & MASK
+        b_k = tl.load(p_keys + b_p, mask=m_act, other=0)
+        m_try = m_act & (b_k < 0)
+        # lanes not trying compare with -3, which no entry holds: the swap writes nothing for them
+        b_old = tl.atomic_cas(p_keys + b_p, tl.where(m_try, b_k, -3), b_entry, sem="relaxed")
+        m_won = m_try & (b_old == b_k)
+        m_ok = m_ok | m_won
+        m_new = m_new | (m_won & (b_k == -1))
+        b_d = tl.where(m_act & (b_k >= 0), b_d + 1, b_d)
+        m_act = m_act & (m_won == 0) & (b_d < max_p)
+        n_act = tl.sum(m_act.to(tl.int32), 0)
+    return m_ok, m_new
+
+
+@triton.jit(do_not_specialize=["B"])
+def index_find_kernel(p_keys, p_query, n_ptr, o_pos, o_slot, B, MASK, BLOCK: tl.constexpr):
+    o_i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m_i = o_i < B
+    b_q = tl.load(p_query + o_i, mask=m_i, other=-1)
+    b_pos, b_slot = probe_find(p_keys, b_q, m_i & (o_i < tl.load(n_ptr)) & (b_q >= 0), MASK)
     tl.store(o_pos + o_i, b_pos, mask=m_i)
     tl.store(o_slot + o_i, b_slot, mask=m_i)
 
 
 @triton.jit(do_not_specialize=["B"])
-def index_insert_round_kernel(p_keys, p_entry, p_home, p_pend, p_dist, p_target, p_tdist, o_ok, B, H,
-                              RESOLVE: tl.constexpr, MAX_P: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
-    """RESOLVE: the claims of the last round are final; each proposer whose entry holds its target won, the
-    others go on past the target. Then every pending key scans its next W positions for the first free one and
-    records it as its target (-1: none)."""
-    i_b = tl.program_id(0)
-    o_i = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def index_delete_kernel(p_keys, p_ids, n_ptr, B, MASK, BLOCK: tl.constexpr):
+    """Tombstone each of the first n ids found."""
+    o_i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m_i = o_i < B
-    m_pend = tl.load(p_pend + o_i, mask=m_i, other=0) != 0
-    b_dist = tl.load(p_dist + o_i, mask=m_i, other=0)
-    if RESOLVE:
-        b_entry = tl.load(p_entry + o_i, mask=m_i, other=-1)
-        b_t = tl.load(p_target + o_i, mask=m_i, other=-1)
-        m_prop = m_pend & (b_t >= 0)
-        b_at = tl.load(p_keys + b_t, mask=m_prop, other=-1)
-        m_won = m_prop & (b_at == b_entry)
-        m_lost = m_prop & (b_at != b_entry)
-        tl.store(o_ok + o_i, m_won.to(tl.int8), mask=m_won)
-        b_dist = tl.where(m_lost, tl.load(p_tdist + o_i, mask=m_lost, other=0) + 1, b_dist)
-        m_pend = m_pend & (m_won == 0) & (b_dist < MAX_P)
-    b_home = tl.load(p_home + o_i, mask=m_i, other=0)
-    b_target = tl.zeros([BLOCK], dtype=tl.int64) - 1
-    b_tdist = b_dist
-    m_look = m_pend
-    for j in tl.static_range(W):
-        b_d = b_dist + j
-        b_p = (b_home + b_d) & (H - 1)
-        m_try = m_look & (b_d < MAX_P)
-        b_k = tl.load(p_keys + b_p, mask=m_try, other=0)
-        m_free = m_try & (b_k < 0)
-        b_target = tl.where(m_free, b_p, b_target)
-        b_tdist = tl.where(m_free, b_d, b_tdist)
-        m_look = m_look & (m_free == 0)
-    m_none = m_pend & (b_target < 0)
-    b_dist = tl.where(m_none, b_dist + W, b_dist)
-    m_pend = m_pend & (b_dist < MAX_P)
-    tl.store(p_target + o_i, b_target, mask=m_i)
-    tl.store(p_tdist + o_i, b_tdist, mask=m_i)
-    tl.store(p_dist + o_i, b_dist, mask=m_i)
-    tl.store(p_pend + o_i, m_pend.to(tl.int8), mask=m_i)
+    b_q = tl.load(p_ids + o_i, mask=m_i, other=-1)
+    b_pos, _ = probe_find(p_keys, b_q, m_i & (o_i < tl.load(n_ptr)) & (b_q >= 0), MASK)
+    tl.store(p_keys + b_pos, tl.zeros_like(b_pos) - 2, mask=b_pos >= 0)
 
 
-@triton.jit(do_not_specialize=["B"])
-def index_claim_kernel(p_keys, p_entry, p_pend, p_target, B, BLOCK: tl.constexpr):
-    """Every proposer claims its target; the largest entry (id) wins (atomic max: the same result in any order)."""
-    i_b = tl.program_id(0)
-    o_i = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+@triton.jit(do_not_specialize=["B", "max_p"])
+def index_insert_kernel(p_keys, p_ids, p_slots, n_ptr, o_ok, p_used, B, MASK, max_p, BLOCK: tl.constexpr,
+                        HAS_USED: tl.constexpr):
+    """Insert the first n (id >= 0, slot) pairs in one pass (atomic compare-and-swap claims)."""
+    o_i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m_i = o_i < B
-    m_pend = tl.load(p_pend + o_i, mask=m_i, other=0) != 0
-    b_t = tl.load(p_target + o_i, mask=m_i, other=-1)
-    m_prop = m_pend & (b_t >= 0)
-    b_entry = tl.load(p_entry + o_i, mask=m_prop, other=-1)
-    tl.atomic_max(p_keys + b_t, b_entry, mask=m_prop, sem="relaxed")
+    b_id = tl.load(p_ids + o_i, mask=m_i, other=-1)
+    m_ins = m_i & (o_i < tl.load(n_ptr)) & (b_id >= 0)
+    b_slot = tl.load(p_slots + o_i, mask=m_ins, other=0)
+    b_entry = (tl.maximum(b_id, 0) << 30) | b_slot
+    m_ok, m_new = probe_insert(p_keys, b_entry, _mix(b_id) & MASK, m_ins, MASK, max_p)
+    tl.store(o_ok + o_i, m_ok.to(tl.int8), mask=m_i)
+    if HAS_USED:
+        tl.atomic_add(p_used, tl.sum(m_new.to(tl.int64), 0), sem="relaxed")
+
+
+@triton.jit
+def index_clear_kernel(p_keys, p_flag, H, BLOCK: tl.constexpr):
+    """Gated on the flag: every position EMPTY (the rebuild's first launch)."""
+    if tl.load(p_flag) != 0:
+        o_i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(p_keys + o_i, tl.zeros_like(o_i) - 1, mask=o_i < H)
+
+
+@triton.jit(do_not_specialize=["C"])
+def index_fill_kernel(p_keys, p_slot_ids, p_flag, p_used, C, MASK, BLOCK: tl.constexpr):
+    """Gated on the flag: every resident id (slot_ids[s] >= 0) into the cleared table at slot s; every one is
+    placed (the table is at most half full); `used` counts them."""
+    if tl.load(p_flag) != 0:
+        o_s = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m_s = o_s < C
+        b_id = tl.load(p_slot_ids + o_s, mask=m_s, other=-1)
+        m_ins = m_s & (b_id >= 0)
+        _, m_new = probe_insert(p_keys, (tl.maximum(b_id, 0) << 30) | o_s, _mix(b_id) & MASK, m_ins, MASK, MASK + 1)
+        tl.atomic_add(p_used, tl.sum(m_new.to(tl.int64), 0), sem="relaxed")
 
 
 def _block(n: int, device) -> int:
@@ -390,9 +431,8 @@ def index_find_triton(keys, query, n_query):
     if B == 0:
         return pos, slot
     BLOCK = _block(B, query.device)
-    index_find_kernel[(triton.cdiv(B, BLOCK),)](
-        keys, query.contiguous(), _n_tensor(n_query, query.device), pos, slot, B, keys.numel() - 1,
-        MAX_P=MAX_PROBE, BLOCK=BLOCK)
+    index_find_kernel[(triton.cdiv(B, BLOCK),)](keys, query.contiguous(), _n_tensor(n_query, query.device), pos,
+                                                slot, B, keys.numel() - 1, BLOCK=BLOCK)
     return pos, slot
 
 
@@ -401,33 +441,37 @@ def index_lookup_triton(keys, query, n_query, early_exit: bool = False):
 
 
 def index_delete_triton(keys, ids, n, early_exit: bool = False) -> None:
-    _tombstone(keys, index_find_triton(keys, ids, n)[0])
+    B = ids.numel()
+    if B == 0:
+        return
+    BLOCK = _block(B, ids.device)
+    index_delete_kernel[(triton.cdiv(B, BLOCK),)](keys, ids.contiguous(), _n_tensor(n, ids.device), B,
+                                                  keys.numel() - 1, BLOCK=BLOCK)
 
 
-def index_insert_triton(keys, ids, slots, n, early_exit: bool = False) -> torch.Tensor:
-    """Same table and ok mask as `index_insert_torch`: scan/claim rounds as kernels (two launches a round)."""
+def index_insert_triton(keys, ids, slots, n, early_exit: bool = False, used: torch.Tensor | None = None):
+    """Insert in one launch (compare-and-swap claims): every lookup answers as after `index_insert_torch`, while
+    the layout (and, rarely, which ids of a crowded chain find no position) may differ."""
     B = ids.numel()
     dev = ids.device
-    ok = torch.zeros(B, dtype=torch.int8, device=dev)
+    ok = torch.empty(B, dtype=torch.int8, device=dev)
     if B == 0:
         return ok.bool()
-    size = keys.numel()
-    entry = pack(ids.clamp(min=0), slots.clamp(min=0)).contiguous()
-    home = _home(ids, size).contiguous()
-    pend = (_live_mask(B, n, dev) & (ids >= 0)).to(torch.int8)
-    dist = torch.zeros(B, dtype=torch.int64, device=dev)
-    target = torch.empty(B, dtype=torch.int64, device=dev)
-    tdist = torch.empty(B, dtype=torch.int64, device=dev)
     BLOCK = _block(B, dev)
-    grid = (triton.cdiv(B, BLOCK),)
-    args = (keys, entry, home, pend, dist, target, tdist, ok, B, size)
-    index_insert_round_kernel[grid](*args, RESOLVE=False, MAX_P=MAX_PROBE, W=PROBE_WINDOW, BLOCK=BLOCK)
-    for _ in range(INSERT_ROUNDS):
-        if early_exit and not bool(pend.any()):
-            break
-        index_claim_kernel[grid](keys, entry, pend, target, B, BLOCK=BLOCK)
-        index_insert_round_kernel[grid](*args, RESOLVE=True, MAX_P=MAX_PROBE, W=PROBE_WINDOW, BLOCK=BLOCK)
-    return ok.bool()
+    index_insert_kernel[(triton.cdiv(B, BLOCK),)](
+        keys, ids.contiguous(), slots.contiguous(), _n_tensor(n, dev), ok, used if used is not None else ok, B,
+        keys.numel() - 1, MAX_PROBE, BLOCK=BLOCK, HAS_USED=used is not None)
+    return ok.view(torch.bool)
+
+
+def index_rebuild_triton(keys, slot_ids, flag, used) -> None:
+    """index_rebuild_torch in two launches gated on the device flag (no host read): clear, then re-insert."""
+    C, H = slot_ids.numel(), keys.numel()
+    dev = keys.device
+    block = min(1024 if gpu_shapes(dev) else 16384, max(16, triton.next_power_of_2(H)))
+    index_clear_kernel[(triton.cdiv(H, block),)](keys, flag, H, BLOCK=block)
+    block = _block(C, dev)
+    index_fill_kernel[(triton.cdiv(C, block),)](keys, slot_ids, flag, used, C, H - 1, BLOCK=block)
 
 
 # ---------------------------------------------------------------- dispatch
@@ -447,8 +491,15 @@ def index_delete(keys, ids, n, early_exit: bool = False) -> None:
     return index_delete_torch(keys, ids, n, early_exit)
 
 
-def index_insert(keys, ids, slots, n, early_exit: bool = False) -> torch.Tensor:
+def index_insert(keys, ids, slots, n, early_exit: bool = False, used: torch.Tensor | None = None) -> torch.Tensor:
     if backend_for(ids.device) == "triton":
         with on_device(ids):
-            return index_insert_triton(keys, ids, slots, n, early_exit)
-    return index_insert_torch(keys, ids, slots, n, early_exit)
+            return index_insert_triton(keys, ids, slots, n, early_exit, used)
+    return index_insert_torch(keys, ids, slots, n, early_exit, used)
+
+
+def index_rebuild(keys, slot_ids, flag, used) -> None:
+    if backend_for(keys.device) == "triton":
+        with on_device(keys):
+            return index_rebuild_triton(keys, slot_ids, flag, used)
+    return index_rebuild_torch(keys, slot_ids, flag, used)

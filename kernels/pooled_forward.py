@@ -165,6 +165,8 @@ def pooled_forward_kernel(
     psw,  # [B] per-sample weights (sum mode; unused unless HAS_PSW)
     out,  # [n_bags, D] rows' dtype
     max_pos,  # [n_bags, D] int64 (max mode only)
+    o_bag,  # [B] int64: each lookup's bag (STORE_BAG), for the backward
+    o_count,  # [n_bags] ACC: each bag's non-padding lookups, at least 1 (STORE_COUNT), for a mean's backward
     n_bags,
     D,
     BLOCK_B: tl.constexpr,
@@ -173,6 +175,8 @@ def pooled_forward_kernel(
     HAS_PSW: tl.constexpr,
     SOFT_RTNE: tl.constexpr,
     ACC: tl.constexpr,
+    STORE_BAG: tl.constexpr,
+    STORE_COUNT: tl.constexpr,
 ):
     """A [BLOCK_B bags, BLOCK_D columns] tile: step t adds lookup t of every bag of the tile (bags shorter than
     t are masked), so each bag still sums in lookup order, the same order as torch.embedding_bag. Several bags
@@ -189,6 +193,8 @@ def pooled_forward_kernel(
     n_valid = tl.zeros([BLOCK_B], dtype=tl.int32)
     for t in range(0, tl.max(eos - bos, axis=0)):
         o_i = bos + t
+        if STORE_BAG:
+            tl.store(o_bag + o_i, o_b, mask=m_b & (o_i < eos) & (i_d == 0))
         b_u = tl.load(inverse + o_i, mask=m_b & (o_i < eos), other=-1)
         m_v = b_u >= 0
         b_r = tl.load(loc_u + tl.maximum(b_u, 0), mask=m_v, other=0).to(tl.int64)
@@ -210,6 +216,8 @@ def pooled_forward_kernel(
         n_valid += m_v.to(tl.int32)
     if MODE == 1:
         b_acc = ieee_div(b_acc, tl.maximum(n_valid, 1).to(ACC)[:, None])  # IEEE division, as torch
+    if STORE_COUNT:
+        tl.store(o_count + o_b, tl.maximum(n_valid, 1).to(ACC), mask=m_b & (i_d == 0))
     m_t = m_b[:, None] & m_d[None, :]
     p_out = out + o_b[:, None] * D + o_d[None, :]
     tl.store(p_out, cast_to(b_acc, p_out.dtype.element_ty, SOFT_RTNE), mask=m_t)
@@ -229,9 +237,11 @@ def forward_bags_per_program(block_d: int, device: torch.device) -> int:
     return min(64, (256 if gpu_shapes(device) else 1024) // block_d)
 
 
-def pooled_forward_triton(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None, host_rows=None):
+def pooled_forward_triton(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None, host_rows=None,
+                          bag_out=None, count_out=None):
     """Triton path of pooled_forward: one program per (BLOCK_B bags, D-block) reading rows[loc_u[inverse[i]]] in
-    place (or the host row for a host location)."""
+    place (or the host row for a host location). `bag_out` [B] int64 / `count_out` [n_bags] (acc dtype) record
+    each lookup's bag / each bag's non-padding lookups (>= 1) for the backward, where given."""
     n_bags, dim = offsets.numel() - 1, rows.shape[1]
     rows = rows.contiguous()
     out = torch.empty(n_bags, dim, dtype=rows.dtype, device=rows.device)
@@ -249,15 +259,29 @@ def pooled_forward_triton(rows, loc_u, inverse, offsets, mode: int, per_sample_w
     with on_device(rows):
         pooled_forward_kernel[grid](
             rows, host, loc_u.contiguous(), inverse.contiguous(), offsets.contiguous(), psw, out,
-            max_pos if max_pos is not None else out, n_bags, dim,
+            max_pos if max_pos is not None else out, bag_out if bag_out is not None else inverse,
+            count_out if count_out is not None else out, n_bags, dim,
             BLOCK_B=block_b, BLOCK_D=block_d, MODE=mode, HAS_PSW=has_psw, SOFT_RTNE=soft_rtne(rows.device),
-            ACC=tl_acc_dtype(rows.dtype),
+            ACC=tl_acc_dtype(rows.dtype), STORE_BAG=bag_out is not None, STORE_COUNT=count_out is not None,
             num_warps=max(1, min(4, block_b * block_d // 128)),
         )
     return out, max_pos
 
 
-def pooled_forward(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None, host_rows=None):
+def pooled_forward(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None, host_rows=None, bag_out=None,
+                   count_out=None):
+    """(out, max_pos); `bag_out` / `count_out` (optional): see pooled_forward_triton (the reference fills them with
+    torch ops)."""
     if backend_for(rows.device) == "triton":
-        return pooled_forward_triton(rows, loc_u, inverse, offsets, mode, per_sample_weights, host_rows)
+        return pooled_forward_triton(rows, loc_u, inverse, offsets, mode, per_sample_weights, host_rows, bag_out,
+                                     count_out)
+    if bag_out is not None or count_out is not None:
+        lengths = offsets[1:] - offsets[:-1]
+        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths,
+                                      output_size=inverse.numel())
+        if bag_out is not None:
+            bag_out.copy_(bag)
+        if count_out is not None:
+            count = torch.zeros(lengths.numel(), dtype=count_out.dtype, device=offsets.device)
+            count_out.copy_(count.index_add_(0, bag, (inverse >= 0).to(count.dtype)).clamp(min=1))
     return pooled_forward_torch(rows, loc_u, inverse, offsets, mode, per_sample_weights, host_rows)

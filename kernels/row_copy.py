@@ -319,3 +319,117 @@ def row_copy_many(copies: list[RowCopy], n) -> None:
     if backend_for(copies[0].src_idx.device) == "triton":
         return row_copy_many_triton(copies, n)
     return row_copy_many_torch(copies, n)
+
+
+# ----------------------------------------------------------------------------------------- one admission's moves
+MAX_MOVE_PAIRS = 3  # a row and up to two optimizer states (the count moves on its own)
+
+
+def row_move_torch(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest, n_miss,
+                   add=None) -> None:
+    """Reference: an admission's row moves (RowMove's), out then in. `pairs` = [(device tensor, host tensor)] that
+    move with a row. For r < n_admit: the dirty victim's rows and state go to host row dirty_ids[r] and its count
+    to host_freq[old_ids[r]]; then for r < n_miss the rows of miss_ids[r] come into slot miss_dest[r] (-1: none),
+    with their count (+ add[r], the batch's own lookups, when given)."""
+    copies = [RowCopy(d, victims, h, dirty_ids) for d, h in pairs]
+    row_copy_many_torch(copies + [RowCopy(slot_freq, victims, host_freq, old_ids)], n_admit)
+    copies = [RowCopy(h, miss_ids, d, miss_dest) for d, h in pairs]
+    row_copy_many_torch(copies + [RowCopy(host_freq, miss_ids, slot_freq, miss_dest)], n_miss)
+    if add is not None:
+        m = min(int(n_miss), miss_dest.numel())
+        dest, extra = miss_dest[:m], add[:m]
+        keep = dest >= 0
+        slot_freq.index_add_(0, dest[keep], extra[keep].to(slot_freq.dtype))
+
+
+@triton.jit
+def move_rows(p_dev, p_host, D, R_dev, R_host, b_v, m_out, b_dirty, b_dest, m_in, b_mid, BLOCK_D: tl.constexpr):
+    """Rows of one (device, host) pair: victim row b_v to host row b_dirty (m_out), then host row b_mid into slot
+    b_dest (m_in); an element is moved out and in by the same thread, in this order (the tiles match)."""
+    m_out = m_out & (b_v < R_dev) & (b_dirty < R_host)
+    m_in = m_in & (b_dest < R_dev) & (b_mid < R_host)
+    for d0 in range(0, D, BLOCK_D):
+        o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)
+        m_t = m_out[:, None] & (o_d < D)[None, :]
+        b_x = tl.load(p_dev + b_v[:, None] * D + o_d[None, :], mask=m_t)
+        tl.store(p_host + b_dirty[:, None] * D + o_d[None, :], b_x, mask=m_t)
+    for d0 in range(0, D, BLOCK_D):
+        o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)
+        m_t = m_in[:, None] & (o_d < D)[None, :]
+        b_y = tl.load(p_host + b_mid[:, None] * D + o_d[None, :], mask=m_t)
+        tl.store(p_dev + b_dest[:, None] * D + o_d[None, :], b_y, mask=m_t)
+
+
+@triton.jit(do_not_specialize=["cap", "R_dev", "R_host"])
+def row_move_kernel(p_n_admit, p_n_miss, cap, p_victims, p_old, p_dirty_ids, p_miss_ids, p_miss_dest, p_add,
+                    p_slot_freq, p_host_freq, R_dev, R_host, dev0, host0, D0, dev1, host1, D1, dev2, host2, D2,
+                    N_PAIRS: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_R: tl.constexpr, BD0: tl.constexpr,
+                    BD1: tl.constexpr, BD2: tl.constexpr):
+    """Persistent programs over the ranks up to the device counts; rank r moves victim r out and miss r in."""
+    n_admit = tl.minimum(tl.load(p_n_admit), cap)
+    n_miss = tl.minimum(tl.load(p_n_miss), cap)
+    blk = tl.program_id(0).to(tl.int64)
+    while blk * BLOCK_R < n_miss:
+        o_r = blk * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+        m_a = o_r < n_admit
+        m_r = o_r < n_miss
+        b_v = tl.load(p_victims + o_r, mask=m_a, other=0)
+        b_old = tl.load(p_old + o_r, mask=m_a, other=-1)
+        b_dirty = tl.load(p_dirty_ids + o_r, mask=m_a, other=-1)
+        b_dest = tl.load(p_miss_dest + o_r, mask=m_r, other=-1)
+        b_mid = tl.load(p_miss_ids + o_r, mask=m_r, other=-1)
+        m_out = m_a & (b_dirty >= 0) & (b_v >= 0)
+        m_in = m_r & (b_dest >= 0) & (b_mid >= 0)
+        move_rows(dev0, host0, D0, R_dev, R_host, b_v, m_out, b_dirty, b_dest, m_in, b_mid, BD0)
+        if N_PAIRS > 1:
+            move_rows(dev1, host1, D1, R_dev, R_host, b_v, m_out, b_dirty, b_dest, m_in, b_mid, BD1)
+        if N_PAIRS > 2:
+            move_rows(dev2, host2, D2, R_dev, R_host, b_v, m_out, b_dirty, b_dest, m_in, b_mid, BD2)
+        m_cnt = m_a & (b_old >= 0) & (b_old < R_host) & (b_v >= 0) & (b_v < R_dev)
+        b_f = tl.load(p_slot_freq + b_v, mask=m_cnt)
+        tl.store(p_host_freq + b_old, b_f, mask=m_cnt)
+        m_in = m_in & (b_dest < R_dev) & (b_mid < R_host)
+        b_g = tl.load(p_host_freq + b_mid, mask=m_in)
+        if HAS_ADD:
+            b_g += tl.load(p_add + o_r, mask=m_in, other=0)
+        tl.store(p_slot_freq + b_dest, b_g, mask=m_in)
+        blk += tl.num_programs(0)
+
+
+def row_move_triton(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest, n_miss,
+                    add=None) -> None:
+    """row_move_torch in one launch (every pair contiguous; host tables pinned where the device is CUDA)."""
+    if len(pairs) > MAX_MOVE_PAIRS or not all(d.is_contiguous() and h.is_contiguous() for d, h in pairs):
+        return row_move_torch(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest,
+                              n_miss, add)
+    dev = victims.device
+    cap = min(victims.numel(), miss_ids.numel(), miss_dest.numel())
+    if cap == 0:
+        return
+    n_admit, n_miss = (n if torch.is_tensor(n) else torch.full((1,), int(n), dtype=torch.int64, device=dev)
+                       for n in (n_admit, n_miss))
+    args, blocks = [], []
+    for d, h in list(pairs) + [pairs[0]] * (MAX_MOVE_PAIRS - len(pairs)):
+        d2, h2 = _as_rows(d), _as_rows(h)
+        args += [d2, h2, d2.shape[1]]
+        blocks.append(max(1, min(triton.next_power_of_2(d2.shape[1]), 128)))
+    if gpu_shapes(dev):  # 1024-element tiles: four index vectors stay live across the pairs' loops
+        block_r = max(8, 1024 // max(blocks))
+    else:  # the interpreter: few, large programs
+        block_r = min(4096, max(16, triton.next_power_of_2(cap)))
+    grid = (persistent_programs(dev, triton.cdiv(cap, block_r)),)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        row_move_kernel[grid](n_admit.reshape(1), n_miss.reshape(1), cap, victims, old_ids, dirty_ids, miss_ids,
+                              miss_dest, add if add is not None else old_ids, slot_freq, host_freq,
+                              _as_rows(pairs[0][0]).shape[0], _as_rows(pairs[0][1]).shape[0], *args,
+                              N_PAIRS=len(pairs), HAS_ADD=add is not None, BLOCK_R=block_r, BD0=blocks[0],
+                              BD1=blocks[1], BD2=blocks[2], num_warps=4)
+
+
+def row_move(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest, n_miss,
+             add=None) -> None:
+    if backend_for(victims.device) == "triton" and (victims.device.type == "cpu" or row_copy_mode() == "zero_copy"):
+        return row_move_triton(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest,
+                               n_miss, add)
+    return row_move_torch(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest,
+                          n_miss, add)

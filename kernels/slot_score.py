@@ -33,33 +33,41 @@ def _table_rank(p_starts, p_ranks, b_id, n_tables, LOG_T: tl.constexpr):
     return tl.load(p_ranks + b_lo)
 
 
+@triton.jit
+def score_of_slots(p_ids, p_freq, p_last, p_next, p_starts, p_ranks, o_s, m_s, C, n_tables, KIND: tl.constexpr,
+                   HAS_RANK: tl.constexpr, LOG_T: tl.constexpr):
+    """Scores of slots o_s (int64, mask m_s) under policy KIND before protection: cachedemb.cache.policy's
+    arithmetic, bit for bit. Tiers: TIER = 2^32, counts capped at 2 TIER - 1 (lfu, lru) or 2^24 - 1 (lookahead)."""
+    b_id = tl.load(p_ids + o_s, mask=m_s, other=-1)
+    if KIND == 0:  # lfu
+        b_key = tl.minimum(tl.load(p_freq + o_s, mask=m_s, other=0), 8589934591)
+    elif KIND == 1:  # lru
+        b_key = tl.minimum(tl.load(p_last + o_s, mask=m_s, other=0), 8589934591)
+    else:  # lookahead: no use in the horizon by count (and table rank), then the furthest next use first
+        b_next = tl.load(p_next + o_s, mask=m_s, other=-1)
+        b_far = 4294967296 + (4294967295 - tl.minimum(tl.maximum(b_next, 0), 4294967295))
+        b_rank = tl.zeros_like(b_id)
+        if HAS_RANK:
+            b_rank = _table_rank(p_starts, p_ranks, tl.maximum(b_id, 0), n_tables, LOG_T)
+        b_freq = tl.load(p_freq + o_s, mask=m_s, other=0)
+        b_count = tl.minimum(b_freq, 16777215) * 256 + tl.minimum(b_rank, 255)
+        b_key = tl.where(b_next < 0, b_count, b_far)
+    b_score = b_key * C + o_s
+    return tl.where(b_id < 0, o_s - C, b_score)
+
+
 @triton.jit(do_not_specialize=["C", "n_tables"])
 def slot_score_kernel(p_ids, p_freq, p_last, p_next, p_protected, p_starts, p_ranks, p_gate, o_score, C,
                       n_tables, KIND: tl.constexpr, HAS_RANK: tl.constexpr, LOG_T: tl.constexpr,
                       BLOCK: tl.constexpr):
     """Persistent programs over the C slots in BLOCK runs; no work when the gate reads 0."""
-    # cachedemb.cache.policy's tiers: TIER = 2^32, counts capped at 2 TIER - 1 (lfu, lru) or 2^24 - 1 (lookahead)
     n_blocks = tl.where(tl.load(p_gate) != 0, tl.cdiv(C, BLOCK), 0)
     i_b = tl.program_id(0).to(tl.int64)
     while i_b < n_blocks:
         o_i = i_b * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         m_i = o_i < C
-        b_id = tl.load(p_ids + o_i, mask=m_i, other=-1)
-        if KIND == 0:  # lfu
-            b_key = tl.minimum(tl.load(p_freq + o_i, mask=m_i, other=0), 8589934591)
-        elif KIND == 1:  # lru
-            b_key = tl.minimum(tl.load(p_last + o_i, mask=m_i, other=0), 8589934591)
-        else:  # lookahead: no use in the horizon by count (and table rank), then the furthest next use first
-            b_next = tl.load(p_next + o_i, mask=m_i, other=-1)
-            b_far = 4294967296 + (4294967295 - tl.minimum(tl.maximum(b_next, 0), 4294967295))
-            b_rank = tl.zeros_like(b_id)
-            if HAS_RANK:
-                b_rank = _table_rank(p_starts, p_ranks, tl.maximum(b_id, 0), n_tables, LOG_T)
-            b_freq = tl.load(p_freq + o_i, mask=m_i, other=0)
-            b_count = tl.minimum(b_freq, 16777215) * 256 + tl.minimum(b_rank, 255)
-            b_key = tl.where(b_next < 0, b_count, b_far)
-        b_score = b_key * C + o_i
-        b_score = tl.where(b_id < 0, o_i - C, b_score)
+        b_score = score_of_slots(p_ids, p_freq, p_last, p_next, p_starts, p_ranks, o_i, m_i, C, n_tables, KIND,
+                                 HAS_RANK, LOG_T)
         b_prot = tl.load(p_protected + o_i, mask=m_i, other=0) != 0
         b_score = tl.where(b_prot, 0x7FFFFFFFFFFFFFFF, b_score)
         tl.store(o_score + o_i, b_score, mask=m_i)

@@ -19,6 +19,10 @@ import triton
 import triton.language as tl
 
 from .bag_backward import (
+    SCALE_BAG,
+    SCALE_GIVEN,
+    SCALE_ONE,
+    SCALE_PSW,
     bag_of_lookup,
     backward_block_l,
     backward_chunk,
@@ -34,6 +38,7 @@ from .dispatch import backend_for, on_device, soft_rtne
 from .pooled_forward import (
     HOST_LOC,
     MODE_MAX,
+    MODE_MEAN,
     MODE_SUM,
     acc_dtype,
     cast_to,
@@ -250,7 +255,9 @@ def backward_update_kernel(
     scale,  # [B] GACC (sum / mean)
     max_pos,  # [n_bags, D] int64 (max)
     gscale,  # [U] factor on each unique id's summed gradient (HAS_GSCALE only)
+    dirty,  # [R] bool (as uint8): cache rows updated are marked dirty (MARK_DIRTY only)
     D,
+    lead,  # grad_out row of bag b: b - lead (phantom bags of unvalidated offsets come first)
     neg_lr, eps, c1, c2, neg_step,  # fp32
     neg_lr_64: tl.int64, eps_64: tl.int64, c1_64: tl.int64, c2_64: tl.int64, neg_step_64: tl.int64,
     MODE: tl.constexpr,
@@ -262,6 +269,8 @@ def backward_update_kernel(
     ACC: tl.constexpr,  # update math: acc_dtype(rows.dtype)
     HAS_GSCALE: tl.constexpr,
     CHUNKED: tl.constexpr,  # long groups were reduced into `partial` first (chunk_partials)
+    SCALE: tl.constexpr,  # how `scale` weighs a lookup (bag_backward.SCALE_*)
+    MARK_DIRTY: tl.constexpr,
 ):
     # persistent programs over the live unique ids, up to the count read on the device
     neg_lr, eps, c1, c2, neg_step = rule_scalars(neg_lr, eps, c1, c2, neg_step, neg_lr_64, eps_64, c1_64, c2_64,
@@ -269,6 +278,7 @@ def backward_update_kernel(
     i_u = tl.program_id(0).to(tl.int64)
     while i_u < tl.load(n_uniq):  # re-read per round: a bound held across the body spilled (sm_80/sm_90)
         i_r = tl.load(loc_u + i_u).to(tl.int64)
+        on_cache = i_r >= 0
         p_rows, p_s0, p_s1 = rows, s0, s1
         if i_r <= -2:
             p_rows, p_s0, p_s1 = host_rows, h0, h1
@@ -285,7 +295,7 @@ def backward_update_kernel(
             for i_d in range(0, tl.cdiv(D, BLOCK_D)):
                 o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
                 b_g = unique_grad(grad_out, perm, ptr, cptr, partial, bag, scale, max_pos, i_u, o_d, o_d < D, D,
-                                  MODE, BLOCK_L, BLOCK_D, GACC, CHUNKED)
+                                  lead, MODE, BLOCK_L, BLOCK_D, GACC, CHUNKED, SCALE)
                 if HAS_GSCALE:
                     b_g = b_g * b_gs
                 b_g = b_g.to(ACC)
@@ -294,12 +304,15 @@ def backward_update_kernel(
         for i_d in range(0, tl.cdiv(D, BLOCK_D)):
             o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
             m_d = o_d < D
-            b_g = unique_grad(grad_out, perm, ptr, cptr, partial, bag, scale, max_pos, i_u, o_d, m_d, D, MODE,
-                              BLOCK_L, BLOCK_D, GACC, CHUNKED)
+            b_g = unique_grad(grad_out, perm, ptr, cptr, partial, bag, scale, max_pos, i_u, o_d, m_d, D, lead, MODE,
+                              BLOCK_L, BLOCK_D, GACC, CHUNKED, SCALE)
             if HAS_GSCALE:
                 b_g = b_g * b_gs
             apply_rule(p_rows, p_s0, p_s1, i_r, o_d, m_d, D, b_g.to(ACC), b_den, neg_lr, eps, c1, c2, neg_step,
                        RULE, SOFT_RTNE, ACC)
+        if MARK_DIRTY:
+            if on_cache:
+                tl.store(dirty + i_r, 1)
         i_u += tl.num_programs(0)
 
 
@@ -349,7 +362,7 @@ def sparse_update_triton(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
 
 def _backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode, per_sample_weights,
                             max_pos, rule, block_l=None, host_rows=None, host_states=None, grad_scale_u=None,
-                            groups=None, chunk="auto"):
+                            groups=None, chunk="auto", bag=None, bag_count=None, grad_lead=0, dirty=None):
     capacity, dim = inverse.numel(), rows.shape[1]
     if capacity == 0:
         return
@@ -360,37 +373,54 @@ def _backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offs
         h_rows = host_rows
         h0, h1 = _rule_args(host_rows, list(host_states), rule)
     grad_out = grad_out.contiguous()
-    perm, ptr, bag, scale, max_pos = backward_inputs(grad_out, inverse, offsets, mode, per_sample_weights, max_pos,
-                                                     groups)
+    if bag is not None and groups is not None and (mode != MODE_MEAN or bag_count is not None):
+        # the forward recorded each lookup's bag (and, for mean, each bag's size): no [B] temporaries here
+        (perm, ptr), max_pos = groups, (max_pos if mode == MODE_MAX else grad_out)
+        if mode == MODE_MEAN:
+            scale, scale_kind = bag_count, SCALE_BAG
+        elif mode == MODE_SUM and per_sample_weights is not None:
+            scale, scale_kind = per_sample_weights, SCALE_PSW
+        else:
+            scale, scale_kind = inverse, SCALE_ONE
+    else:
+        perm, ptr, bag, scale, max_pos = backward_inputs(grad_out, inverse, offsets, mode, per_sample_weights,
+                                                         max_pos, groups)
+        scale_kind = SCALE_GIVEN
     max_pos = max_pos.contiguous()
     has_gscale = grad_scale_u is not None
     block_l = block_l or backward_block_l(rows.device)
     block_d = _update_block_d(dim, block_l)
     chunk = backward_chunk(rows.device) if chunk == "auto" else chunk
-    split = chunk_partials(grad_out, perm, ptr, bag, scale, max_pos, mode, chunk, block_l, block_d)
+    split = chunk_partials(grad_out, perm, ptr, bag, scale, max_pos, mode, chunk, block_l, block_d, grad_lead,
+                           scale_kind)
     cptr, partial = split if split is not None else (ptr, grad_out)
     with on_device(rows):
         backward_update_kernel[(persistent_programs(rows.device, capacity),)](
             rows, s0, s1, h_rows, h0, h1, loc_u.contiguous(), n_uniq.reshape(1), grad_out, perm, ptr, cptr,
-            partial, bag, scale, max_pos, grad_scale_u.contiguous() if has_gscale else scale, dim,
+            partial, bag, scale, max_pos, grad_scale_u.contiguous() if has_gscale else scale,
+            dirty.view(torch.uint8) if dirty is not None else loc_u, dim, grad_lead,
             *_scalars(rule), MODE=mode, RULE=RULE_IDS[rule.kind], SOFT_RTNE=soft_rtne(rows.device),
             BLOCK_L=block_l, BLOCK_D=block_d, GACC=tl_acc_dtype(grad_out.dtype), ACC=tl_acc_dtype(rows.dtype),
-            HAS_GSCALE=has_gscale, CHUNKED=split is not None,
+            HAS_GSCALE=has_gscale, CHUNKED=split is not None, SCALE=scale_kind, MARK_DIRTY=dirty is not None,
             **backward_launch(block_l, block_d, torch.float64 in (rows.dtype, grad_out.dtype)),
         )
 
 
 def backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode: int,
                            per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None,
-                           grad_scale_u=None, groups=None):
+                           grad_scale_u=None, groups=None, bag=None, bag_count=None, grad_lead=0, grad_trail=0,
+                           dirty=None):
     """Fused Triton path: persistent programs (a grid sized by the machine) loop over the unique ids up to
     n_uniq, read on the device; each sums the gradient of its lookups (grouped by a stable sort, or `groups` =
     (perm, ptr) from unique_ids' sort; no atomics; a hot id's long group is reduced in chunks by a first kernel,
     see bag_backward.segment_partials_kernel), scales it by grad_scale_u[j] when given, and applies the rule to
-    its row in place: a cache row, or a host row (pinned, through UVA) for a host location."""
+    its row in place: a cache row, or a host row (pinned, through UVA) for a host location. `bag` / `bag_count`
+    (each lookup's bag, each bag's size: pooled_forward records them) spare the [B] temporaries; `grad_lead` /
+    `grad_trail`: grad_out lacks that many phantom bags at either end (their lookups are all padding); `dirty`
+    ([R] bool): the cache rows updated are marked there."""
     _backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode, per_sample_weights,
                             max_pos, rule, host_rows=host_rows, host_states=host_states, grad_scale_u=grad_scale_u,
-                            groups=groups)
+                            groups=groups, bag=bag, bag_count=bag_count, grad_lead=grad_lead, dirty=dirty)
 
 
 def sparse_update(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
@@ -402,10 +432,26 @@ def sparse_update(rows, states, loc_u, grad_u, n_uniq, rule: UpdateRule):
 
 def backward_update_torch(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode: int,
                           per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None,
-                          grad_scale_u=None, groups=None):
+                          grad_scale_u=None, groups=None, bag=None, bag_count=None, grad_lead=0, grad_trail=0,
+                          dirty=None):
     """Reference of the fused op: segment reduction (of the live unique ids only, scaled by grad_scale_u), then
     the update; grouped by `groups` (perm, ptr) from unique_ids' sort when given, else sorted here. On CPU
-    (sum / mean) both run in passes over blocks of unique ids (`_backward_update_cpu`), with the same values."""
+    (sum / mean) both run in passes over blocks of unique ids (`_backward_update_cpu`), with the same values.
+    `bag` / `bag_count` are not needed here; phantom bags (`grad_lead` / `grad_trail`) get zero gradients and the
+    updated cache rows are marked in `dirty` where given."""
+    if grad_lead or grad_trail:
+        dim = grad_out.shape[1]
+        grad_out = torch.cat([grad_out.new_zeros(grad_lead, dim), grad_out, grad_out.new_zeros(grad_trail, dim)])
+    _backward_update_ref(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode, per_sample_weights, max_pos,
+                         rule, host_rows, host_states, grad_scale_u, groups)
+    if dirty is not None:
+        live = (torch.arange(loc_u.numel(), device=loc_u.device) < n_uniq) & (loc_u >= 0)
+        dirty.index_fill_(0, torch.where(live, loc_u, torch.full_like(loc_u, dirty.numel() - 1)), True)
+        dirty[-1] = False
+
+
+def _backward_update_ref(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode, per_sample_weights, max_pos,
+                         rule, host_rows, host_states, grad_scale_u, groups):
     if mode != MODE_MAX and rows.device.type == "cpu" and grad_out.device.type == "cpu":
         if _backward_update_cpu(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode, per_sample_weights,
                                 rule, host_rows, host_states, grad_scale_u, groups):
@@ -460,13 +506,11 @@ def _backward_update_cpu(rows, states, loc_u, n_uniq, grad_out, inverse, offsets
 
 def backward_update(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode: int,
                     per_sample_weights, max_pos, rule: UpdateRule, host_rows=None, host_states=None,
-                    grad_scale_u=None, groups=None):
-    if backend_for(rows.device) == "triton":
-        return backward_update_triton(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode,
-                                      per_sample_weights, max_pos, rule, host_rows, host_states, grad_scale_u,
-                                      groups)
-    return backward_update_torch(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode,
-                                 per_sample_weights, max_pos, rule, host_rows, host_states, grad_scale_u, groups)
+                    grad_scale_u=None, groups=None, bag=None, bag_count=None, grad_lead=0, grad_trail=0, dirty=None):
+    fn = backward_update_triton if backend_for(rows.device) == "triton" else backward_update_torch
+    return fn(rows, states, loc_u, n_uniq, grad_out, inverse, offsets, mode, per_sample_weights, max_pos, rule,
+              host_rows, host_states, grad_scale_u, groups, bag=bag, bag_count=bag_count, grad_lead=grad_lead,
+              grad_trail=grad_trail, dirty=dirty)
 
 
 def adam_step_size(lr: float, beta1: float, beta2: float, step: int) -> float:

@@ -163,3 +163,59 @@ def test_fixed_shape_training_step_replays_in_a_cuda_graph():
         step(eager, ids)
     torch.cuda.synchronize()
     assert torch.equal(graphed.weight.detach(), eager.weight.detach())
+
+
+def test_prefetch_window_step_replays_in_a_cuda_graph():
+    """With prefetch (sync-free sizing, as on every CUDA cache; validate_inputs=False; static shapes) the step of a
+    batch inside an admitted window (its ids resident and protected: lookup, pooled forward, fused backward, no
+    victim choice) captured once in a CUDA graph and replayed on later batches, written into the static input,
+    trains exactly as the same steps run eagerly. Window admission runs in the pipeline's `next()`, between
+    steps, outside the graph; no launch of the step reads a value on the host or sizes a grid by one."""
+    rows, dim, lookups = 50_000, 32, 4096
+    g = torch.Generator().manual_seed(0)
+    batches = [((torch.rand(lookups, generator=g) ** 3 * rows).long(), torch.arange(0, lookups, 8))
+               for _ in range(14)]
+    offsets = torch.arange(0, lookups, 8, device="cuda")
+
+    def make():
+        torch.manual_seed(0)
+        return cachedemb.CachedEmbeddingBag(rows, dim, mode="sum", cache_rows=8192, device="cuda",
+                                            optimizer=optim.Adagrad(lr=0.05), validate_inputs=False)
+
+    def pipeline(m):
+        return cachedemb.prefetch(batches, [m], depth=2, horizon=4, overlap=False)
+
+    eager, graphed = make(), make()
+    eager_out = []
+    for ids, _ in pipeline(eager):
+        out = eager(ids.cuda(), offsets)
+        eager_out.append(out.detach().clone())
+        out.square().sum().backward()
+    static_ids = torch.empty(lookups, dtype=torch.int64, device="cuda")
+    graph, static_out, graphed_out = torch.cuda.CUDAGraph(), None, []
+    for i, (ids, _) in enumerate(pipeline(graphed)):
+        static_ids.copy_(ids)
+        if i < 4:  # warm-up: every kernel variant of an in-window step compiled; the last on a side stream
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side if i == 3 else torch.cuda.current_stream()):
+                out = graphed(static_ids, offsets)
+                graphed_out.append(out.detach().clone())
+                out.square().sum().backward()
+            torch.cuda.current_stream().wait_stream(side)
+            continue
+        if i == 4:
+            assert graphed.cache._window_active  # the captured step is a window batch's
+            with torch.cuda.graph(graph):
+                static_out = graphed(static_ids, offsets)
+                static_out.square().sum().backward()
+        graph.replay()
+        graphed_out.append(static_out.detach().clone())
+    torch.cuda.synchronize()
+    assert len(graphed_out) == len(eager_out) == len(batches)
+    for i, (a, b) in enumerate(zip(graphed_out, eager_out)):
+        assert torch.equal(a, b), f"batch {i}"
+    eager.flush()
+    graphed.flush()
+    assert torch.equal(graphed.cache.host_weight, eager.cache.host_weight)
+    assert graphed.cache_stats()["windows"] == eager.cache_stats()["windows"] > 3

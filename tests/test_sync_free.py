@@ -140,8 +140,10 @@ def test_device_memory_follows_cache_and_distinct_ids(monkeypatch):
     emb = cachedemb.CachedEmbeddingBag(num, dim, mode="sum", cache_rows=cap, optimizer=optim.Adam(0.01),
                                        validate_inputs=False, device="cpu", _weight=ref.weight.detach().clone())
     before = emb.cache_stats()["device_bytes"]
-    metadata = cap * (8 + 8 + 8 + 1 + 8 + 1 + 8 + 8) + 3 * 8 + 2  # ids, freq, last use, dirty, next use, protected,
-    expected = cap * dim * 4 * 3 + metadata + emb.cache.stats.numel() * 8  # index keys/slots; rows + 2 states
+    # ids, freq, last use, dirty, next use, protected, hit marks, index keys/slots (+ dump elements, the index's
+    # load count); rows + 2 states
+    metadata = cap * (8 + 8 + 8 + 1 + 8 + 1 + 1 + 8 + 8) + 3 * 8 + 3 + 8
+    expected = cap * dim * 4 * 3 + metadata + emb.cache.stats.numel() * 8
     assert before == expected
     ids = (torch.rand(50_000) ** 4 * num).long()
     offsets = torch.arange(0, 50_000, 100)

@@ -29,6 +29,7 @@ from cachedemb.cache.host_memory import host_empty, pinned_copy
 from cachedemb.kernels import PROTECTED, id_index
 from cachedemb.kernels.gather import take
 from cachedemb.cache.policy import Policy, SlotView, resolve, score_kernel
+from cachedemb.cache import device_place
 from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.victim_pool import VictimPool
 
@@ -53,6 +54,8 @@ class BatchPlan:
     # (perm [B], ptr [B + 1]): the lookups grouped by unique position, from unique_ids' sort; the backward
     # reduces each id's lookups in this order instead of sorting the inverse again (lookup_groups)
     groups: tuple[torch.Tensor, torch.Tensor] | None = None
+    # [B] int64 for the forward to record each lookup's bag in, for the backward (under the CUDA rules)
+    bag: torch.Tensor | None = None
 
 
 @dataclass
@@ -135,6 +138,7 @@ class EmbeddingCache:
         self.batch_counter = 0
         self._allocate(self.capacity)
         self.stats = torch.zeros(len(STAT_NAMES), dtype=torch.int64, device=self.device)
+        self.stat_index = _STAT  # name -> position in `stats`, for kernels that add to them
         # Optional bounded per-batch history: a ring of cumulative counters, written on the device (no sync).
         if history < 0:
             raise ValueError(f"history must be >= 0 batches, got {history}")
@@ -160,7 +164,11 @@ class EmbeddingCache:
         self.window_forwards_left = 0
         self.ahead: AheadBatch | None = None  # the pipeline's hand-off for the next forward (cache/ahead.py)
         self._windows: list[torch.Tensor] = []  # slots (loc_u) of the prefetch windows protected now
+        self._window_active = False  # an admitted window is protected (activate_window .. the next drop)
         self.table_starts = self.table_ranks = None  # set_tables(): per-table ranks for the policies
+        # A host tier in front of this cache (cachedemb.storage) that fills host rows asynchronously: called
+        # with a window's ids before its admission reads their host rows, so rows still being read land first.
+        self.host_fence = None
 
     # ----------------------------------------------------------------- device buffers
     def _allocate(self, slots: int) -> None:
@@ -175,13 +183,17 @@ class EmbeddingCache:
         self.dirty = torch.zeros(slots + 1, dtype=torch.bool, device=dev)
         self.next_use = torch.full((self.capacity,), -1, dtype=torch.int64, device=dev)
         self.protected = torch.zeros(self.capacity + 1, dtype=torch.bool, device=dev)
+        # under the CUDA rules a batch's hits are protected here, apart from the window's `protected`
+        self.hit_mark = torch.zeros(self.capacity + 1, dtype=torch.bool, device=dev)
         self._n_protected = torch.zeros(1, dtype=torch.int64, device=dev)  # protected[:C].sum(), per window
         # The id index packs each resident id with its slot in one int64 entry; index_slots stays empty.
         self.index_keys = id_index.new_index(self.capacity, dev)
         self.index_slots = torch.empty(0, dtype=torch.int64, device=dev)
         # Host-side bound on the table positions not EMPTY (resident ids + tombstones): a rebuild clears the
-        # tombstones before it passes 5/8 of the table, so probe chains stay short.
+        # tombstones before it passes 5/8 of the table, so probe chains stay short. Under the CUDA rules the
+        # count is kept on the device (`index_used`) and the rebuild is gated there.
         self._index_used = 0
+        self.index_used = torch.zeros(1, dtype=torch.int64, device=dev)
         self._index_limit = (id_index.index_size(self.capacity) * 5) // 8
         self.victim_pool = VictimPool(self.capacity, dev)
 
@@ -209,11 +221,16 @@ class EmbeddingCache:
             i = _STAT[key]
             self.stats[i:i + 1].add_(value.reshape(1).to(torch.int64))
 
+    def invalid_counts(self) -> torch.Tensor:
+        """The [invalid_ids, invalid_offsets] counters as one [2] view, for input repair on the device to add to."""
+        return self.stats[_STAT["invalid_ids"]:_STAT["invalid_ids"] + 2]
+
     def device_bytes(self) -> int:
         """Bytes this cache holds on its device: rows, optimizer state, slot metadata, index, counters. Per-batch buffers are transient: O(lookups) ids and O(distinct ids) rows.
         The victim pool (at most C int64 slots, from the first full ranking on) is `victim_pool_bytes()`."""
         tensors = [self.rows.data, self.slot_ids, self.slot_freq, self.slot_last_use, self.dirty, self.next_use,
-                   self.protected, self.index_keys, self.index_slots, self.stats, self.history]
+                   self.protected, self.hit_mark, self.index_keys, self.index_slots, self.index_used, self.stats,
+                   self.history]
         tensors += list(self.states.values())
         tensors += [t for t in (self.table_starts, self.table_ranks) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -269,6 +286,7 @@ class EmbeddingCache:
         self.slot_ids.index_fill_(0, drop_slots, -1)
         self.dirty.index_fill_(0, drop_slots, False)
         self._index_used = self._on_host((ids >= 0).sum(), self.capacity)
+        self.index_used.copy_((self.index_keys != id_index.EMPTY).sum().reshape(1))
         if self._on_host(dropped.sum(), 1):  # emptied slots score below the pool's bound
             self.victim_pool.invalidate()
         self.seconds["index_rebuild"] += time.perf_counter() - start
@@ -289,10 +307,13 @@ class EmbeddingCache:
         start = time.perf_counter()
         ids = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
         n_lookups = ids.numel()
-        self._wait_for_window_rows()
+        in_window = self._wait_for_window_rows()
         self.generation += 1
         self.batch_counter += 1
-        ahead, self.ahead = take_ahead(self.ahead, ids, padding_idx, self.slot_ids), None
+        ahead, self.ahead = self.ahead, None
+        if not self._early_exit():
+            return self._prepare_device(ids, padding_idx, train, start, admit=not in_window)
+        ahead = take_ahead(ahead, ids, padding_idx, self.slot_ids)
         uniq, inverse, counts, n_uniq, groups = (ahead[0] if ahead else
                                                  kernels.unique_ids(ids, padding_idx, return_groups=True))
         # Per-unique buffers: exactly n long on CPU (free to know there), the fixed capacity B on CUDA.
@@ -314,6 +335,25 @@ class EmbeddingCache:
             positions = torch.arange(cap, device=self.device)
             kernels.row_copy(counts, torch.where(on_host, positions, -1), self.host_freq,
                              torch.where(on_host, kernels.host_loc(loc_u), -1), cap, accumulate=True)
+        return self._finish_prepare(BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation, groups), train,
+                                    start)
+
+    def _prepare_device(self, ids: torch.Tensor, padding_idx, train: bool, start: float,
+                        admit: bool = True) -> BatchPlan:
+        """prepare under the CUDA rules: a fixed sequence of fused launches (cachedemb/cache/device_place.py).
+        `admit=False`: the prefetch pipeline's batch inside its admitted window, all hits: lookup and commit only
+        (a miss there, should the ids differ from those read ahead, is served from the host: still exact)."""
+        sizes, bufs = device_place.batch(self, self.policy, ids.numel(), with_unique=True, admit=admit)
+        uniq, inverse, counts, n_uniq, groups = device_place.unique(self, ids, padding_idx, bufs)
+        loc_u, _, _, move = device_place.place_batch(self, uniq, n_uniq, self.policy, bufs, sizes, counts=counts,
+                                                     train=train, count_lookups=True, admit=admit)
+        if admit:
+            self._move_rows(RowMove(*move), add=bufs.add if train else None)
+        plan = BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation, groups, bufs.bag)
+        return self._finish_prepare(plan, train, start)
+
+    def _finish_prepare(self, plan: BatchPlan, train: bool, start: float) -> BatchPlan:
+        if train:
             self.train_batches += 1
             if self.freq_halflife and self.train_batches % self.freq_halflife == 0:
                 self.halve_counts()
@@ -321,17 +361,18 @@ class EmbeddingCache:
             self.history[self.history_batches % self.history.shape[0]] = self.stats
         self.history_batches += 1
         self.seconds["prepare"] += time.perf_counter() - start
-        return BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation, groups)
+        return plan
 
-    def _wait_for_window_rows(self) -> None:
+    def _wait_for_window_rows(self) -> bool:
         """A forward the prefetch pipeline did not announce, while a window transfer runs on a side stream: its
-        misses may read host rows that the transfer is writing back, so it waits for the transfer."""
-        if self._pending is None:
-            return
-        if self.window_forwards_left > 0:
+        misses may read host rows that the transfer is writing back, so it waits for the transfer. Returns
+        whether this forward is the announced one of a batch inside an admitted window (all its ids resident)."""
+        announced = self.window_forwards_left > 0
+        if announced:
             self.window_forwards_left -= 1
-            return
-        torch.cuda.current_stream(self.device).wait_event(self._pending)
+        elif self._pending is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._pending)
+        return announced and self._window_active
 
     def admit_window(self, uniq: torch.Tensor, policy: Policy, next_use: SlotNextUse | None = None,
                      now: int = 0) -> WindowPlan:
@@ -353,6 +394,8 @@ class EmbeddingCache:
         metadata and the index change now, in stream order; the row copies are left to `transfer_window`.
         The window's slots are protected at once, so nothing else evicts them meanwhile."""
         start = time.perf_counter()
+        if self.host_fence is not None:
+            self.host_fence(uniq)
         uniq = uniq.to(device=self.device, dtype=torch.int64, non_blocking=True)
         n = uniq.numel()
         if n > self.capacity:
@@ -434,11 +477,13 @@ class EmbeddingCache:
             self.protected.index_fill_(0, self._resident_or_dump(plan.loc_u), True)
             self._count_protected()
             self._windows = [plan.loc_u]
+        self._window_active = True  # the pipeline's batches up to the next window are all hits
         self.seconds["window_protect"] += time.perf_counter() - start
 
     def _resident_or_dump(self, loc: torch.Tensor) -> torch.Tensor:
-        """Cache slots of `loc`; host locations and -1 go to the trailing dump element."""
-        return torch.where((loc >= 0) & (loc < self.capacity), loc, torch.full_like(loc, self.capacity))
+        """Cache slots of `loc`; host locations and -1 go to the trailing dump element (two launches: negative
+        locations clamp to -1, which the remainder sends to C)."""
+        return loc.clamp(-1, self.capacity).remainder(self.capacity + 1)
 
     def release_window(self) -> None:
         """Drop window protection (the pipeline ended); rows still in flight are waited for in stream order."""
@@ -453,6 +498,7 @@ class EmbeddingCache:
         if self._windows:
             self.victim_pool.include(torch.cat(self._windows), counts_on_host(self.device))
         self._windows = []
+        self._window_active = False
         self.protected.zero_()
         self._n_protected.zero_()
 
@@ -484,8 +530,16 @@ class EmbeddingCache:
         """Find or admit each of the first n_uniq ids of `uniq`; returns (loc_u, live, n_hit, n_miss, move).
 
         Protected slots and this set's hits are never victims; misses beyond the free slots are served from
-        the host (loc = HOST_LOC - id). With `transfer=False` the row copies are returned (`move`) instead of done; the slot
-        metadata is updated either way."""
+        the host (loc = HOST_LOC - id). With `transfer=False` the row copies are returned (`move`) instead of
+        done; the slot metadata is updated either way. Under the CUDA rules this is cachedemb/cache/device_place.py's
+        fixed launch sequence (the same victims in the same order)."""
+        if not self._early_exit():
+            sizes, bufs = device_place.batch(self, policy, uniq.numel(), with_unique=False)
+            loc_u, n_hit, n_miss, move = device_place.place_batch(self, uniq, n_uniq, policy, bufs, sizes)
+            move = RowMove(*move)
+            if transfer:
+                self._move_rows(move)
+            return loc_u, torch.arange(uniq.numel(), device=self.device) < n_uniq, n_hit, n_miss, move
         dev = self.device
         cap = uniq.numel()
         early = self._early_exit()
@@ -550,7 +604,7 @@ class EmbeddingCache:
             kernels.index_delete(self.index_keys, torch.where(used, old_ids, torch.full_like(old_ids, -1)), k, early)
             admitted = is_miss & (dest >= 0)
             placed = kernels.index_insert(self.index_keys, torch.where(admitted, uniq, torch.full_like(uniq, -1)),
-                                          dest, cap, early)
+                                          dest, cap, early, self.index_used)
             unplaced = admitted & placed.logical_not()
             dest = torch.where(unplaced, overflow, dest)
             loc_u = torch.where(unplaced, overflow, loc_u)
@@ -578,14 +632,18 @@ class EmbeddingCache:
             self.bump_stats(evictions=evicted, rows_out=written)
         return loc_u, live, n_hit, n_miss, move
 
-    def _move_rows(self, move: RowMove) -> None:
-        """Dirty victims (rows, state) and every victim's count to the host, then the missing rows in."""
-        self._copy_out(move.victims, move.dirty_ids, move.old_ids, move.n_admit)
-        self._fill(move.miss_ids, move.miss_dest, move.n_miss)
+    def _move_rows(self, move: RowMove, add: torch.Tensor | None = None) -> None:
+        """Dirty victims (rows, state) and every victim's count to the host, then the missing rows in (their counts
+        + `add`, the batch's own lookups, when given): one launch."""
+        kernels.row_move(self._row_tensors(), self.slot_freq, self.host_freq, move.victims, move.n_admit,
+                         move.old_ids, move.dirty_ids, move.miss_ids, move.miss_dest, move.n_miss, add)
 
-    def mark_dirty(self, plan: BatchPlan) -> None:
-        """The plan's device rows were written (host-served rows were written in place on the host)."""
+    def mark_dirty(self, plan: BatchPlan, marked: bool = False) -> None:
+        """The plan's device rows were written (host-served rows were written in place on the host); `marked`: the
+        writer set their dirty bits itself (the fused backward does)."""
         self.maybe_dirty = True
+        if marked:
+            return
         live = (torch.arange(plan.loc_u.numel(), device=self.device) < plan.n_uniq) & (plan.loc_u >= 0)
         self.dirty.index_fill_(0, torch.where(live, plan.loc_u, torch.full_like(plan.loc_u, self.dump)), True)
 
@@ -646,6 +704,48 @@ class EmbeddingCache:
         self._fill(torch.where(resident, ids, -1), slots, ids.numel())
         self.dirty.index_fill_(0, torch.where(resident, slots, self.dump), False)
         self.victim_pool.invalidate()  # counts re-read from the host may be lower
+
+    def drop_rows(self, ids: torch.Tensor) -> None:
+        """Before the host rows `ids` are given to other ids by their owner (a host tier in front): write the
+        resident copies back (rows and state if dirty, counts always) and empty their slots. O(len(ids))."""
+        ids = ids.to(device=self.device, dtype=torch.int64)
+        if ids.numel() == 0:
+            return
+        slots = self.slots_of(ids)
+        resident = slots >= 0
+        slots = torch.where(resident, slots, torch.full_like(slots, self.dump))
+        n = torch.full((1,), ids.numel(), dtype=torch.int64, device=self.device)
+        self.bump_stats(rows_out=self._write_back(slots, n), evictions=resident.sum().reshape(1))
+        kernels.index_delete(self.index_keys, torch.where(resident, ids, torch.full_like(ids, -1)), ids.numel(),
+                             self._early_exit())
+        self.slot_ids.index_fill_(0, slots, -1)
+        self.dirty.index_fill_(0, slots, False)
+        self._n_protected -= (resident & take(self.protected, slots)).sum().reshape(1)
+        self.protected.index_fill_(0, slots, False)
+        # Emptied slots score below the pool's bound: where the count is free to read, the pool is ranked
+        # again; under the CUDA rules they wait for the pool's next ranking (victim choice, never results).
+        if self._on_host(resident.sum(), 0):
+            self.victim_pool.invalidate()
+
+    def resize_host(self, num_rows: int) -> None:
+        """Give the host side `num_rows` rows (the first min(old, new) kept): a host tier in front that needs
+        a transient staging area. Every resident row must lie below `num_rows`."""
+        keep = min(num_rows, self.num_rows)
+        weight = pinned_empty((num_rows, self.dim), self.dtype)
+        weight[:keep].copy_(self.host_weight[:keep])
+        self.host_weight = weight
+        for name, host in list(self.host_states.items()):
+            state = pinned_empty((num_rows, host.shape[1]), host.dtype)
+            state[:keep].copy_(host[:keep])
+            state[keep:].zero_()
+            self.host_states[name] = state
+        freq = pinned_empty((num_rows,), torch.int64)
+        freq[:keep].copy_(self.host_freq[:keep])
+        freq[keep:].zero_()
+        self.host_freq = freq
+        if num_rows > keep:
+            self.host_weight[keep:].zero_()
+        self.num_rows = num_rows
 
     def replace_host_table(self, host_weight: torch.Tensor) -> None:
         """Adopt a new host table (same shape; its dtype becomes the cache's, optimizer state following the
@@ -723,8 +823,8 @@ class EmbeddingCache:
             self.host_freq = pinned_copy(self.host_freq)
         self.device = device
         self._set_rows(self.rows.data.to(device))
-        for name in ("slot_ids", "slot_freq", "slot_last_use", "dirty", "next_use", "protected", "_n_protected",
-                     "index_keys", "index_slots", "stats", "history"):
+        for name in ("slot_ids", "slot_freq", "slot_last_use", "dirty", "next_use", "protected", "hit_mark",
+                     "_n_protected", "index_keys", "index_slots", "index_used", "stats", "history"):
             setattr(self, name, getattr(self, name).to(device))
         for name in ("table_starts", "table_ranks"):
             if getattr(self, name, None) is not None:

@@ -50,7 +50,7 @@ class MissEstimate:
             if not landed:
                 return
             self._pending.popleft()
-            self._recent.append(int(host[0]))
+            self._recent.append(host.tolist()[0])  # a host buffer: no device op
             self._free.append(host)
 
     def value(self) -> int | None:

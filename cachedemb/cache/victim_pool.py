@@ -49,13 +49,20 @@ class VictimPool:
         self.bound = torch.full((1,), PROTECTED, dtype=torch.int64, device=self.device)
         self.policy = None  # None: invalid, the next choice ranks every slot
         self.rankings = 0  # full rankings launched so far (host count; gated ones included)
-        self.ranked = torch.zeros(1, dtype=torch.int64, device=self.device)  # rankings that ran ungated or drained
+        # under the CUDA rules the pool lives on the device (kernels/slot_rank.py): [n_pool, bound, rankings that
+        # ran]; `ranked` (a view) counts the rankings that ran ungated or drained, on either path
+        self.state = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self.ranked = self.state[2:3]
         self.k1 = 0  # victims the pool serves per batch (CUDA rules), fixed at its ranking
         self.ranked_size = 0  # the pool's size at its last full ranking
         self.misses = MissEstimate(self.device)
+        self.device_slots = self.device_score = None  # [C] int64 each, from the first device-side choice
+        self.device_policy = None  # the policy the device pool was ranked with; None: stale
+        self.device_bound = 0  # host bound on n_pool: the largest target a ranking since the last reset had
 
     def invalidate(self) -> None:
         self.policy = None
+        self.device_policy = None
 
     def include(self, slots: torch.Tensor, exact: bool) -> None:
         """Slots whose scores may have dropped (a prefetch window's protection taken off, its rows' next uses
@@ -74,12 +81,15 @@ class VictimPool:
         self.slots = merged
 
     def tensors(self):
-        return [self.slots, self.bound, self.ranked]
+        extra = [t for t in (self.device_slots, self.device_score) if t is not None]
+        return [self.slots, self.bound, self.state] + extra
 
     def to(self, device) -> None:
         self.device = torch.device(device)
         self.slots, self.bound = self.slots.to(self.device), self.bound.to(self.device)
-        self.ranked = self.ranked.to(self.device)
+        self.state = self.state.to(self.device)
+        self.ranked = self.state[2:3]
+        self.device_slots = self.device_score = None
         self.misses = MissEstimate(self.device)
         self.invalidate()
 
@@ -98,6 +108,25 @@ class VictimPool:
         seen = self.misses.value()
         k1 = k if seen is None else min(k, 1 << max(4, (seen + seen // 4 + 4 - 1).bit_length()))
         return k1, min(self.capacity, (self.batches + 2) * k1)
+
+    def device_sizes(self, policy, lookups: int) -> tuple[int, int, bool]:
+        """Under the CUDA rules, before a batch of `lookups` distinct-id positions: (size, cap, stale). `size` is
+        the pool a ranking aims at (~10 batches of the recent misses, sync_free_sizes); a ranking takes
+        m = min(C, max(size, n_admit + n_hit)) slots, so n_pool <= cap, the capacity the batch's check covers.
+        `stale`: the device pool cannot serve (invalidated, another or an unmarked policy, or 2x larger than the
+        recent misses need: the next batch with misses ranks again)."""
+        if self.device_slots is None:
+            self.device_slots = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
+            self.device_score = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
+        _, size = self.sync_free_sizes(max(1, min(lookups, self.capacity)))
+        target = min(self.capacity, max(size, lookups))
+        stale = self.device_policy is None or policy is not self.device_policy or not is_monotone(policy)
+        if not stale and self.device_bound > 2 * target:
+            stale = True
+        self.device_bound = target if stale else max(self.device_bound, target)
+        self.device_policy = policy if is_monotone(policy) else None
+        self.rankings += 1
+        return size, self.device_bound, stale
 
     def choose(self, policy, view_of, unprotect_hits, protected, k: int,
                n_admit: torch.Tensor, n_hit: int, exact: bool, score_all=None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 
 from cachedemb import kernels
 from cachedemb.cache.embedding_cache import BatchPlan, EmbeddingCache, pinned_empty, state_dtype
-from cachedemb.modules.factory import build_dynamic
+from cachedemb.modules.factory import build_dynamic, build_storage
 from cachedemb.modules.errors import (
     InvalidPaddingIdxError,
     InvalidWeightDtypeError,
@@ -24,15 +24,24 @@ from cachedemb.optim import SparseOptimizer
 from cachedemb.cache.policy import Policy
 
 _STEP_KEY = "optimizer.step"
-# Tensors over the table's memory that the module itself holds: the Parameter, the cache's `.data` alias, and
-# the storage object that `_storage_users` makes to ask.
-_OWN_STORAGE_USERS = 3
 _TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _storage_users(table: torch.Tensor) -> int:
     """How many tensors (and storage objects) share the table's memory."""
     return torch._C._storage_Use_Count(table.untyped_storage()._cdata)
+
+
+def _own_storage_users() -> int:
+    """What `_storage_users` counts for the tensors over the table's memory that the module itself holds: the
+    Parameter and the cache's `.data` alias, plus the storage object made to ask where torch counts it (3 on
+    torch 2.13 / 2.15, 2 on torch 2.5). Measured once, on a tensor of the same shape of holders."""
+    table = nn.Parameter(torch.zeros(1))
+    alias = table.data  # noqa: F841 -- held while counting, as the cache holds its alias
+    return _storage_users(table)
+
+
+_OWN_STORAGE_USERS = _own_storage_users()
 
 
 def _refuse_unsharded_world() -> None:
@@ -53,9 +62,16 @@ class _PooledLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, owner, plan: BatchPlan, bags: BagInput, weight, psw, anchor):
         cache = owner.cache
+        # the fused backward reads each lookup's bag (and a mean each bag's size) as the forward records them
+        record = plan.bag is not None and owner.optimizer is not None and anchor is not None
+        count = None
+        if record and bags.mode == kernels.MODE_MEAN:
+            count = torch.empty(bags.offsets.numel() - 1, dtype=kernels.acc_dtype(cache.dtype), device=cache.device)
         out, max_pos = kernels.pooled_forward(cache.rows, plan.loc_u, plan.inverse, bags.offsets, bags.mode, psw,
-                                              cache.host_weight)
+                                              cache.host_weight, bag_out=plan.bag if record else None,
+                                              count_out=count)
         ctx.owner, ctx.plan, ctx.bags, ctx.max_pos = owner, plan, bags, max_pos
+        ctx.recorded, ctx.bag_count = record, count
         ctx.save_for_backward(psw)
         if bags.lead or bags.trail:
             out = out[bags.lead: out.shape[0] - bags.trail]  # phantom bags of unvalidated offsets
@@ -77,7 +93,8 @@ class _PooledLookup(torch.autograd.Function):
                 "pipeline for the next batch)."
             )
         grad_out = grad_out.contiguous()
-        if bags.lead or bags.trail:
+        fused_phantoms = fused and ctx.recorded and not (psw is not None and ctx.needs_input_grad[4])
+        if (bags.lead or bags.trail) and not fused_phantoms:
             dim = grad_out.shape[1]
             grad_out = torch.cat([grad_out.new_zeros(bags.lead, dim), grad_out, grad_out.new_zeros(bags.trail, dim)])
         grad_psw = None
@@ -96,11 +113,15 @@ class _PooledLookup(torch.autograd.Function):
             rule = owner.optimizer.rule(owner.optimizer_step)
             names = list(cache.host_states)
             extra = {"grad_scale_u": grad_scale} if grad_scale is not None else {}
+            if ctx.recorded:
+                extra.update(bag=plan.bag, bag_count=ctx.bag_count, dirty=cache.dirty)
+            if fused_phantoms:
+                extra.update(grad_lead=bags.lead, grad_trail=bags.trail)
             kernels.backward_update(cache.rows, [cache.states[k] for k in names], plan.loc_u, plan.n_uniq, grad_out,
                                     plan.inverse, bags.offsets, bags.mode, psw_values, ctx.max_pos, rule,
                                     cache.host_weight, [cache.host_states[k] for k in names], groups=plan.groups,
                                     **extra)
-            cache.mark_dirty(plan)
+            cache.mark_dirty(plan, marked=ctx.recorded)
             if owner._watched:
                 cache.write_through(plan)
         elif ctx.needs_input_grad[3]:
@@ -148,11 +169,16 @@ class CachedEmbeddingBag(nn.Module):
         torch.Size([2, 3])
     """
 
-    def __new__(cls, *args, dynamic=None, **kwargs):
+    def __new__(cls, *args, dynamic=None, storage=None, **kwargs):
         # CachedEmbeddingBag(None, dim, ..., dynamic=DynamicIds(...)) builds the raw-id module cachedemb.dynamic
-        # registers (modules/factory.py): not an instance of cls, so Python skips __init__.
+        # registers (modules/factory.py), and CachedEmbeddingBag(..., storage=FileStorage(...)) the file-backed
+        # one of cachedemb.storage: not instances of cls, so Python skips __init__.
         if dynamic is not None:
+            if storage is not None:
+                raise ValueError("dynamic= and storage= cannot be combined: a raw-id table's slab is not on file")
             return build_dynamic(*args, dynamic=dynamic, **kwargs)
+        if storage is not None:
+            return build_storage(*args, storage=storage, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,
@@ -161,7 +187,7 @@ class CachedEmbeddingBag(nn.Module):
                  padding_idx: int | None = None, device=None, dtype=None, *, _freeze: bool = False, cache_ratio: float = 0.01, cache_rows: int | None = None, optimizer: SparseOptimizer | None = None,
                  id_freq: torch.Tensor | None = None, warmup_ratio: float = 0.7, policy: str | Policy = "lfu",
                  validate_inputs: bool = True, stats_history: int = 0, freq_halflife: int | None = None,
-                 count_in_eval: bool = False, dynamic=None, _init: TableInit | None = None):
+                 count_in_eval: bool = False, dynamic=None, storage=None, _init: TableInit | None = None):
         super().__init__()
         num_embeddings = size_arg("num_embeddings", num_embeddings)
         embedding_dim = size_arg("embedding_dim", embedding_dim)
@@ -345,7 +371,7 @@ class CachedEmbeddingBag(nn.Module):
                                    include_last_offset=self.include_last_offset,
                                    num_embeddings=self.num_embeddings, device=cache.device,
                                    validate=self.validate_inputs, padding_idx=self.padding_idx,
-                                   table_dtype=cache.dtype)
+                                   table_dtype=cache.dtype, count_into=cache.invalid_counts())
         watched = self._table_shared()
         table = self._table
         train = torch.is_grad_enabled()
@@ -373,6 +399,8 @@ class CachedEmbeddingBag(nn.Module):
         through `.data` move no version counter, so while such a holder lives every forward re-reads its rows
         from the host and (fused) every step writes its rows straight back (`_watched`): O(batch), no write can
         be lost. Counted from reference counts: a host-side check, no device sync."""
+        if getattr(self, "_private_table", False):  # a slab owned by a layer in front (cachedemb.storage), whose
+            return False  # I/O threads touch it concurrently: nothing outside can hold it
         own_refs = 3 if self.optimizer is None else 2  # __dict__ (+ _parameters) + getrefcount's argument
         table = self.__dict__["_table"]
         shared = sys.getrefcount(table) > own_refs + 1 or _storage_users(table) > _OWN_STORAGE_USERS
@@ -609,6 +637,15 @@ class CachedEmbeddingBag(nn.Module):
         if not self.is_meta and self.cache.host_weight.data_ptr() != table.data_ptr():
             self.cache.host_weight = table.data
         self._handed_out, self._seen_version = False, table._version
+
+    def _resize_rows(self, num_rows: int) -> None:
+        """Make the host table `num_rows` rows, the first ones kept (cachedemb.storage's transient staging
+        rows for a batch larger than its host cache). Resident rows must lie below `num_rows`."""
+        self.cache.resize_host(num_rows)
+        self.num_embeddings = num_rows
+        self._table.data = self.cache.host_weight
+        self.cache.host_weight = self._table.data  # the cache's own alias (see _build)
+        self._seen_version = self._table._version
 
     def flush(self) -> None:
         """Write every dirty cached row (and its optimizer state) back to the host table."""

@@ -84,11 +84,18 @@ def _first_bad(mask: torch.Tensor) -> int:
 
 def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, include_last_offset: bool,
                         num_embeddings: int, device: torch.device, validate: bool = True,
-                        padding_idx: int | None = None, table_dtype: torch.dtype | None = None) -> BagInput:
+                        padding_idx: int | None = None, table_dtype: torch.dtype | None = None,
+                        count_into: torch.Tensor | None = None) -> BagInput:
+    """`count_into` ([2] int64 on `device`: invalid ids, invalid offsets), where given, takes the counts of an
+    unvalidated repair directly (the BagInput then carries none): the repair is one launch (kernels.bag_input)."""
     _check_int_tensor("input", input)
     check_values = validate or counts_on_host(input.device)
     if per_sample_weights is not None:
         _check_per_sample_weights(per_sample_weights, input, mode, table_dtype)
+    if not check_values and count_into is not None and input.dim() in (1, 2) and \
+            (input.dim() == 2) == (offsets is None) and input.device == torch.device(device):
+        return _repair_on_device(input, offsets, per_sample_weights, mode, include_last_offset, num_embeddings,
+                                 torch.device(device), padding_idx, count_into)
     lead = trail = 0
     bad_offsets = last_bag_scale = None
     if input.dim() == 2:
@@ -179,6 +186,39 @@ def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, includ
         bad_offsets = torch.zeros(1, dtype=torch.int64, device=device)
     return BagInput(ids, full, kernels.MODES[mode], psw, psw_shape, pad_id=pad_id, lead=lead, trail=trail,
                     invalid_ids=invalid, invalid_offsets=bad_offsets, last_bag_scale=last_bag_scale)
+
+
+def _repair_on_device(input, offsets, per_sample_weights, mode: str, include_last_offset: bool, num_embeddings: int,
+                      device: torch.device, padding_idx, count_into) -> BagInput:
+    """The unvalidated path of normalize_bag_input in one launch (same BagInput; the counts go to count_into)."""
+    n = input.numel()
+    pad_id = padding_idx if padding_idx is not None else -1
+    last_bag_scale = None
+    if input.dim() == 2:
+        offs, width, lead, trail, extend_last = None, input.shape[1], 0, 0, False
+        n_full = input.shape[0] + 1
+    else:
+        _check_int_tensor("offsets", offsets)
+        if offsets.dim() != 1:
+            raise ValueError(f"offsets must be 1-D, got shape {tuple(offsets.shape)}")
+        if include_last_offset and offsets.numel() == 0:
+            raise InvalidOffsetsError("include_last_offset=True needs at least one offset (the end), got none")
+        offs, width = offsets.to(device), 0
+        extend_last = include_last_offset and offs.numel() > 1 and (padding_idx is not None or mode == "max")
+        lead, trail = 1, int(include_last_offset and not extend_last)
+        n_full = offs.numel() + (1 if extend_last else 2)
+    buf = torch.empty(n + n_full, dtype=torch.int64, device=device)
+    ids, full = buf[:n], buf[n:]
+    kernels.bag_repair(input, offs, num_embeddings, pad_id, width, bool(trail), extend_last, count_into, ids, full)
+    if include_last_offset and trail and mode == "mean" and offs.numel() > 1:
+        start = full[-3:-2]
+        last_bag_scale = ((full[-2:-1] - start) / (n - start).clamp(min=1)).to(torch.float64)
+    psw, psw_shape = None, ()
+    if per_sample_weights is not None:
+        psw_shape = tuple(per_sample_weights.shape)
+        psw = per_sample_weights.reshape(-1)[:n].to(device).contiguous()
+    return BagInput(ids, full, kernels.MODES[mode], psw, psw_shape, pad_id=pad_id, lead=lead, trail=trail,
+                    last_bag_scale=last_bag_scale)
 
 
 def _check_per_sample_weights(per_sample_weights, input, mode: str, table_dtype=None) -> None:

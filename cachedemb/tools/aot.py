@@ -291,6 +291,29 @@ def library_workload(device="cpu", dims=WORKLOAD_DIMS, dtypes=("float32", "bfloa
         loc_u = torch.randperm(rows, generator=gen)[:n].to(device)
         grad_u = torch.randn(n, dim, generator=gen).to(device)
         kernels.sparse_update(table, states, loc_u, grad_u, torch.tensor([n - 2], device=device), rule)
+    # the CUDA rules' fixed launch sequence (on CPU: the sync-free mode): unvalidated input repaired on the device,
+    # the gated ranking and rebuild, the window batches' lookup-only path, 2-D input and include_last_offset
+    import os
+
+    saved = os.environ.get("CACHEDEMB_SYNC_FREE")
+    os.environ["CACHEDEMB_SYNC_FREE"] = "1"
+    try:
+        for policy, kwargs in (("lfu", {}), ("lookahead", {"include_last_offset": True})):
+            emb = cachedemb.CachedEmbeddingBag(rows, dims[0], mode="sum", cache_rows=cache_rows, device=device,
+                                               optimizer=optim.Adagrad(lr=0.01), validate_inputs=False,
+                                               policy=policy, **kwargs)
+            for _ in range(steps + 1):
+                step(emb, *batch())
+            step(emb, torch.randint(0, rows, (bags, bag_len), generator=gen).to(device), None)
+        emb = cachedemb.CachedEmbeddingBag(rows, dims[0], mode="mean", cache_rows=4 * cache_rows, device=device,
+                                           optimizer=optim.SGD(lr=0.01), validate_inputs=False)
+        for ids, offsets in cachedemb.prefetch([batch() for _ in range(4)], [emb], depth=2, horizon=4):
+            step(emb, ids, offsets)
+    finally:
+        if saved is None:
+            os.environ.pop("CACHEDEMB_SYNC_FREE", None)
+        else:
+            os.environ["CACHEDEMB_SYNC_FREE"] = saved
     # victim selection over a cache larger than one GPU block (the module's caches above are a few slots)
     kernels.victim_select(torch.randperm(3000, generator=gen).to(device), 7)
     keys = torch.arange(0, 2 * rows, 2, device=device)

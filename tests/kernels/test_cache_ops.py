@@ -61,10 +61,12 @@ UNIQUE_CASES = {
 def test_unique_ids(name):
     B, hi, pad = UNIQUE_CASES[name]
     ids = torch.randint(0, hi, (B,), generator=gen(B)).to(DEVICE)
-    got = unique_ids_triton(ids, pad)
-    ref = unique_ids_torch(ids, pad)
+    got = unique_ids_triton(ids, pad, return_groups=True)
+    ref = unique_ids_torch(ids, pad, return_groups=True)
     for what, g, r in zip(("uniq", "inverse", "counts", "n_uniq"), got, ref):
         assert_same(g, r, what)
+    assert_same(got[4][0], ref[4][0], "perm")
+    assert_same(got[4][1], ref[4][1], "ptr")
 
 
 def test_unique_ids_int32_2d_input():
@@ -249,10 +251,14 @@ def test_row_copy_column_mismatch():
 
 
 @pytest.mark.parametrize("policy", ["lfu", "lru"])
-def test_cache_prepare_same_on_both_backends(policy, monkeypatch):
-    """EmbeddingCache.prepare over a few batches: the Triton ops must leave the cache exactly as the references."""
+@pytest.mark.parametrize("sync_free", [False, True], ids=["exact", "sync_free"])
+def test_cache_prepare_same_on_both_backends(policy, sync_free, monkeypatch):
+    """EmbeddingCache.prepare over a few batches: the Triton ops must leave the cache exactly as the references (the
+    id index answering every lookup the same: its layout follows the order the inserts ran in)."""
     from cachedemb.cache.embedding_cache import EmbeddingCache
+    from cachedemb.kernels.id_index import index_lookup_torch
 
+    monkeypatch.setenv("CACHEDEMB_SYNC_FREE", "1" if sync_free else "0")
     g = gen(3)
     table = torch.randn(120, 5, generator=g)
     batches = [torch.randint(0, 120, (int(b),), generator=g) for b in (40, 7, 63, 1, 90, 25)]
@@ -266,9 +272,17 @@ def test_cache_prepare_same_on_both_backends(policy, monkeypatch):
     for i, (pt, pk) in enumerate(zip(plans_t, plans_k)):
         for field in ("uniq", "inverse", "counts", "n_uniq", "loc_u"):
             assert_same(getattr(pk, field), getattr(pt, field), f"batch {i} {field}")
-    for name in ("slot_ids", "slot_freq", "index_keys", "index_slots", "stats"):
-        assert_same(getattr(cache_k, name), getattr(cache_t, name), name)
+    for name in ("slot_ids", "slot_freq", "slot_last_use", "dirty"):  # the trailing dump elements hold nothing
+        assert_same(getattr(cache_k, name)[:32], getattr(cache_t, name)[:32], name)
+    assert_same(cache_k.stats, cache_t.stats, "stats")
     assert_same(cache_k.rows.data, cache_t.rows.data, "rows")
+    every_id = torch.arange(-1, 121, device=DEVICE)
+    for cache in (cache_t, cache_k):
+        found = index_lookup_torch(cache.index_keys, every_id, every_id.numel())
+        resident = torch.full((122,), -1, dtype=torch.int64, device=DEVICE)
+        live = cache.slot_ids[:32] >= 0
+        resident[cache.slot_ids[:32][live] + 1] = torch.arange(32, device=DEVICE)[live]
+        assert_same(found, resident, "index answers")
 
 
 # ---------------------------------------------------------------- GPU only: large cases, pinned host memory
