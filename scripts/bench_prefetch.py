@@ -157,7 +157,8 @@ def main(argv=None):
     p.add_argument("--ratios", type=float, nargs="+", default=[0.01, 0.05])
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--horizons", type=int, nargs="+", default=[16, 64])
-    p.add_argument("--warmup", type=int, default=30, help="batches before timing (the caches fill)")
+    p.add_argument("--warmup", type=int, default=80,
+                   help="batches before timing: the caches fill and the pipeline reads ahead (horizon + 2 x depth)")
     p.add_argument("--batches", type=int, default=40, help="timed batches")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--trace-cache", help=".npy file keeping the generated batches between runs")

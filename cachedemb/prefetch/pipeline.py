@@ -222,7 +222,7 @@ class Prefetcher:
             return
         number, _, ids = self.buffer[offset]
         if number not in self.uniques:
-            self.uniques[number] = self.worker.submit_unique(
+            self.uniques[number] = self.worker.submit_unique(number,
                 [t if keep else None for t, keep in zip(ids, self.handoff)])
 
     def _hand_off(self, number: int) -> None:

@@ -5,10 +5,12 @@ collectives, RNG use and module state stay where they were), then hands the ids 
 everything below, so nothing here is shared with the training thread but the futures. Its tasks run in
 submission order, except the forward uniques, which go first (a forward is waiting for them soonest):
 
-- `enter`: each cache's distinct ids of the batch (a sort), `NextUseTracker.enter`, then every window that can be
-  planned (`windows.plan_window`: the unions, built once);
-- `unique_for`: the full `unique_ids` of a batch about to be yielded (inverse, counts, lookup groups), which its
-  forward takes instead of sorting the ids again (a CPU cache with counts on the host: see cache/ahead.py);
+- `enter`: each cache's distinct ids of the batch (a stable sort), `NextUseTracker.enter`, then every window that
+  can be planned (`windows.plan_window`: the unions, built once); where the forward takes a hand-off, the sort's
+  permutation is kept (int32, half the batch's ids) so the batch is sorted once, not twice;
+- `unique`: the full `unique_ids` of a batch about to be yielded (inverse, counts, lookup groups) from that
+  sort, which its forward takes instead of sorting the ids again (a CPU cache with counts on the host: see
+  cache/ahead.py);
 - `next_use`: the next use of each id of a snapshot of a cache's slot ids, for the policy of a window planned
   later (the snapshot is taken right after the previous window's admission, so this runs meanwhile).
 
@@ -124,6 +126,7 @@ class ReadAhead:
         self.next_start = 0  # the next window to plan
         self.lock = threading.Lock()
         self.windows: dict[int, Future] = {}
+        self.sorts: dict[int, list] = {}  # batch -> per cache: the permutation of its stable sort (int32) or None
         self.seconds: list[dict[str, float]] = [defaultdict(float) for _ in capacities]
         self.worker = Worker(threaded)
 
@@ -143,10 +146,10 @@ class ReadAhead:
                 self.windows[start] = Future()
             return self.windows[start]
 
-    def submit_unique(self, ids: list[torch.Tensor | None]) -> Future:
-        """Per cache: (ids, unique_ids(ids, None, return_groups=True)) of host ids the caller will not change,
-        or None where ids is None: what that batch's forward computes (urgent)."""
-        return self.worker.submit(self._unique, ids, urgent=True)
+    def submit_unique(self, number: int, ids: list[torch.Tensor | None]) -> Future:
+        """Per cache: (ids, unique_ids(ids, None, return_groups=True)) of batch `number`'s host ids (the caller
+        will not change them), or None where ids is None: what that batch's forward computes (urgent)."""
+        return self.worker.submit(self._unique, number, ids, urgent=True)
 
     def submit_next_use(self, now: int, snapshots: list) -> Future:
         """Next uses in [now, now + horizon) of the ids of each snapshot (host ids, CUDA event or None)."""
@@ -162,6 +165,7 @@ class ReadAhead:
         with self.lock:
             for future in self.windows.values():
                 future.cancel()
+        self.sorts.clear()
 
     # ----------------------------------------------------------------- worker thread
     def _time(self, cache: int, stage: str, since: float) -> float:
@@ -171,14 +175,19 @@ class ReadAhead:
         return now
 
     def _enter(self, number: int, staged) -> None:
+        sorts = []
         for c, (host, event) in enumerate(staged):
             start = time.thread_time()
             if event is not None:
                 event.synchronize()
-            uniq = torch.unique(host)
+            s_ids, s_perm = torch.sort(host, stable=True)
+            uniq = torch.unique_consecutive(s_ids)
+            sorts.append(s_perm.to(torch.int32) if self.locate and event is None and host.numel() < 2**31 else None)
             start = self._time(c, "prefetch_unique", start)
             self.trackers[c].enter(number, uniq)
             self._time(c, "prefetch_next_use", start)
+        if self.locate:
+            self.sorts[number] = sorts
         self.entered = number + 1
         self._plan_windows()
 
@@ -202,14 +211,21 @@ class ReadAhead:
             if not future.cancelled():
                 future.set_result(info)
 
-    def _unique(self, ids: list[torch.Tensor | None]) -> list:
+    def _unique(self, number: int, ids: list[torch.Tensor | None]) -> list:
+        sorts = self.sorts.pop(number, None)  # None if this ran before the batch's `enter` (urgent tasks go first)
+        for stale in [k for k in self.sorts if k < number]:  # an `enter` that ran after its batch's unique
+            del self.sorts[stale]
         out = []
         for c, host in enumerate(ids):
             if host is None:
                 out.append(None)
                 continue
             start = time.thread_time()
-            out.append((host, unique_ids_torch(host, None, return_groups=True)))
+            sort = None
+            if sorts is not None and sorts[c] is not None:
+                s_perm = sorts[c].to(torch.int64)
+                sort = (host.index_select(0, s_perm), s_perm)
+            out.append((host, unique_ids_torch(host, None, return_groups=True, sort=sort)))
             self._time(c, "prefetch_forward_unique", start)
         return out
 
