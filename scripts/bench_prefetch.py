@@ -33,8 +33,10 @@ from cachedemb.tools.traces import zipf_trace
 
 
 def load_trace(args) -> list[torch.Tensor]:
-    """The batches' ids (flat, 4096 x 26 each), generated once and kept in `--trace-cache` if given."""
-    count = args.warmup + args.batches
+    """The batches' ids (flat, 4096 x 26 each), generated once and kept in `--trace-cache` if given: the steps
+    run, and as many again as the pipeline reads ahead (horizon + 2 x depth), so that it reads a batch in every
+    timed step as in a long run."""
+    count = args.warmup + args.batches + max(args.horizons) + 2 * max(args.depths) + 1
     path = args.trace_cache
     if path and os.path.exists(path):
         stored = np.load(path, mmap_mode="r")
@@ -91,7 +93,7 @@ def run_pair(trace: list[torch.Tensor], args, ratio: float, depth: int, horizon:
             times[mode][0].append(time.perf_counter() - t0)
             times[mode][1].append(time.thread_time() - c0)
 
-    for i in range(len(trace)):
+    for i in range(args.warmup + args.batches):
         if i == args.warmup:
             plain.cache.reset_stats()
             ahead.cache.reset_stats()
@@ -100,8 +102,7 @@ def run_pair(trace: list[torch.Tensor], args, ratio: float, depth: int, horizon:
         for mode in order:
             step(mode, i, i >= args.warmup)
     process_cpu = time.process_time() - process_start
-    for _ in it:  # the pipeline ends (nothing left to read)
-        pass
+    it.close()  # the pipeline ends (its protection released) with batches left unread, as after a `break`
     none, pref = summary(plain, *times["none"]), summary(ahead, *times["prefetch"])
     counts = pipe.window_batches
     pref["window_batches"] = {str(k): counts.count(k) for k in sorted(set(counts))}
@@ -157,8 +158,7 @@ def main(argv=None):
     p.add_argument("--ratios", type=float, nargs="+", default=[0.01, 0.05])
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--horizons", type=int, nargs="+", default=[16, 64])
-    p.add_argument("--warmup", type=int, default=80,
-                   help="batches before timing: the caches fill and the pipeline reads ahead (horizon + 2 x depth)")
+    p.add_argument("--warmup", type=int, default=30, help="batches before timing (the caches fill)")
     p.add_argument("--batches", type=int, default=40, help="timed batches")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--trace-cache", help=".npy file keeping the generated batches between runs")
