@@ -17,15 +17,17 @@ from .dispatch import backend_for, gpu_shapes, on_device
 PAD_ID = -1
 
 
-def unique_ids_torch(ids: torch.Tensor, padding_idx: int | None = None, return_groups: bool = False):
+def unique_ids_torch(ids: torch.Tensor, padding_idx: int | None = None, return_groups: bool = False,
+                     sort: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Reference: torch.unique, then the padding id (if present) removed from the unique set. With
     `return_groups` the same outputs come from one stable sort of the ids (runs by `unique_consecutive`, the
     inverse scattered back through the sort), and the groups from that sort (`groups_of_sort`), so no second
-    sort (of the inverse, as `lookup_groups` does) is needed."""
+    sort (of the inverse, as `lookup_groups` does) is needed. `sort`: (sorted ids, permutation) of that stable
+    sort, done earlier (the prefetch read-ahead sorts each batch once, when it reads it)."""
     n_lookups = ids.numel()
     ids = ids.reshape(-1).to(torch.int64)
     if return_groups:
-        s_ids, s_perm = torch.sort(ids, stable=True)
+        s_ids, s_perm = torch.sort(ids, stable=True) if sort is None else sort
         uniq, s_inverse, counts = torch.unique_consecutive(s_ids, return_inverse=True, return_counts=True)
         inverse = torch.empty_like(s_inverse).scatter_(0, s_perm, s_inverse)
     else:

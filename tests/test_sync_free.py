@@ -20,7 +20,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # issues are (they run in cache/embedding_cache.py). The miss estimate reads pinned host copies only after their events say
 # they landed (on CPU: batches later), which waits for nothing.
 COUNTED = [str(ROOT / "cachedemb"), str(ROOT / "kernels")]
-HOST_SIDE = [str(ROOT / "cachedemb" / "prefetch.py"), str(ROOT / "cachedemb" / "cache" / "miss_estimate.py")]
+HOST_SIDE = [str(ROOT / "cachedemb" / "prefetch"), str(ROOT / "cachedemb" / "cache" / "miss_estimate.py")]
 HOST_READS = ("item", "tolist", "cpu", "__int__", "__bool__", "__index__", "__float__", "numpy")
 
 

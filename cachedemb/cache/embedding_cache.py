@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from cachedemb import kernels
+from cachedemb.cache.ahead import AheadBatch, take_ahead
 from cachedemb.cache.host_memory import host_empty, pinned_copy
 from cachedemb.kernels import PROTECTED, id_index
 from cachedemb.kernels.gather import take
@@ -32,6 +33,8 @@ from cachedemb.cache import device_place
 from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.victim_pool import VictimPool
 
+PREFETCH_STAGES = ("prefetch_read", "prefetch_wait", "prefetch_unique", "prefetch_next_use", "prefetch_window_plan",
+                   "prefetch_forward_unique", "prefetch_next_use_query")
 STAT_NAMES = ("lookups", "unique", "hits", "misses", "evictions", "rows_in", "rows_out", "windows",
               "window_rows_in", "host_rows", "invalid_ids", "invalid_offsets")
 _STAT = {name: i for i, name in enumerate(STAT_NAMES)}
@@ -70,6 +73,16 @@ class RowMove:
 
     def tensors(self):
         return (self.victims, self.n_admit, self.old_ids, self.dirty_ids, self.miss_ids, self.miss_dest, self.n_miss)
+
+
+@dataclass
+class SlotNextUse:
+    """The next known use (absolute batch number, -1 for none) of the id each of the C slots held when `ids`
+    was taken: the look-ahead policy's input, computed off the training thread from a snapshot. A slot whose id
+    changed since counts as having no known use."""
+
+    ids: torch.Tensor  # [C] slot ids at the snapshot
+    uses: torch.Tensor  # [C]
 
 
 @dataclass
@@ -134,9 +147,13 @@ class EmbeddingCache:
         # Host seconds per phase; the O(cache) passes each have their own entry and run at most once per window
         # (victim_rank: only when the victim pool runs dry, under the CUDA rules the gated launch of every batch;
         # next_use_refresh; window_protect), per index fill (index_rebuild) or per `freq_halflife` batches
-        # (halve_counts).
+        # (halve_counts). The prefetch pipeline's stages (cachedemb/prefetch) add theirs: prefetch_read (the
+        # training thread reading and extracting batches), prefetch_wait (it waiting for the read-ahead thread),
+        # and on the read-ahead thread prefetch_unique, prefetch_next_use, prefetch_window_plan,
+        # prefetch_forward_unique and prefetch_next_use_query.
         self.seconds = {"prepare": 0.0, "admit_window": 0.0, "flush": 0.0, "index_rebuild": 0.0,
-                        "victim_rank": 0.0, "next_use_refresh": 0.0, "halve_counts": 0.0, "window_protect": 0.0}
+                        "victim_rank": 0.0, "next_use_refresh": 0.0, "halve_counts": 0.0, "window_protect": 0.0,
+                        **dict.fromkeys(PREFETCH_STAGES, 0.0)}
         if freq_halflife is not None and (not isinstance(freq_halflife, int) or freq_halflife < 1):
             raise ValueError(f"freq_halflife must be None or a positive number of batches, got {freq_halflife!r}")
         self.freq_halflife = freq_halflife
@@ -145,6 +162,8 @@ class EmbeddingCache:
         # Forwards the prefetch pipeline announced as its window's (all hits); any other forward while a window
         # transfer is in flight waits for it, since the rows it serves from the host may be in transit.
         self.window_forwards_left = 0
+        self.ahead: AheadBatch | None = None  # the pipeline's hand-off for the next forward (cache/ahead.py)
+        self._windows: list[torch.Tensor] = []  # slots (loc_u) of the prefetch windows protected now
         self._window_active = False  # an admitted window is protected (activate_window .. the next drop)
         self.table_starts = self.table_ranks = None  # set_tables(): per-table ranks for the policies
         # A host tier in front of this cache (cachedemb.storage) that fills host rows asynchronously: called
@@ -291,13 +310,20 @@ class EmbeddingCache:
         in_window = self._wait_for_window_rows()
         self.generation += 1
         self.batch_counter += 1
+        ahead, self.ahead = self.ahead, None
         if not self._early_exit():
             return self._prepare_device(ids, padding_idx, train, start, admit=not in_window)
-        uniq, inverse, counts, n_uniq, groups = kernels.unique_ids(ids, padding_idx, return_groups=True)
+        ahead = take_ahead(ahead, ids, padding_idx, self.slot_ids)
+        uniq, inverse, counts, n_uniq, groups = (ahead[0] if ahead else
+                                                 kernels.unique_ids(ids, padding_idx, return_groups=True))
         # Per-unique buffers: exactly n long on CPU (free to know there), the fixed capacity B on CUDA.
         cap = self._on_host(n_uniq, n_lookups)
         uniq, counts = uniq[:cap], counts[:cap]
-        loc_u, live, n_hit, n_miss, _ = self._place(uniq, n_uniq, self.policy)
+        if ahead and ahead[1] is not None:  # every id in a window's slots: all hits, nothing to place
+            loc_u, live = ahead[1], torch.ones(cap, dtype=torch.bool, device=self.device)
+            n_hit, n_miss = n_uniq, torch.zeros_like(n_uniq)
+        else:
+            loc_u, live, n_hit, n_miss, _ = self._place(uniq, n_uniq, self.policy)
         self.bump_stats(lookups=(inverse >= 0).sum(), unique=n_uniq, hits=n_hit, misses=n_miss)
         if train:
             resident = live & (loc_u >= 0)
@@ -348,20 +374,21 @@ class EmbeddingCache:
             torch.cuda.current_stream(self.device).wait_event(self._pending)
         return announced and self._window_active
 
-    def admit_window(self, uniq: torch.Tensor, policy: Policy, next_use: torch.Tensor | None = None,
-                     now: int = 0) -> None:
+    def admit_window(self, uniq: torch.Tensor, policy: Policy, next_use: SlotNextUse | None = None,
+                     now: int = 0) -> WindowPlan:
         """Admit a look-ahead window's distinct ids (ascending, at most `capacity`) in one batched transfer and
         protect exactly them until the next window replaces the protection (synchronous, in stream order).
 
-        `next_use` (host [num_rows] int64, absolute batch number of each id's next known use, -1 for none)
-        feeds the policy; `now` is the batch number the window starts at.
+        `next_use` (the next known use of each slot's id, see `SlotNextUse`) feeds the policy; `now` is the
+        batch number the window starts at.
         """
         self._drop_protection()
         plan = self.plan_window(uniq, policy, next_use, now)
         self.transfer_window(plan)
         self.activate_window(plan)
+        return plan
 
-    def plan_window(self, uniq: torch.Tensor, policy: Policy, next_use: torch.Tensor | None = None,
+    def plan_window(self, uniq: torch.Tensor, policy: Policy, next_use: SlotNextUse | None = None,
                     now: int = 0) -> WindowPlan:
         """Decide where a window's ids go: victims never come from protected slots (the window in use), slot
         metadata and the index change now, in stream order; the row copies are left to `transfer_window`.
@@ -369,29 +396,48 @@ class EmbeddingCache:
         start = time.perf_counter()
         if self.host_fence is not None:
             self.host_fence(uniq)
-        uniq = uniq.to(device=self.device, dtype=torch.int64)
+        uniq = uniq.to(device=self.device, dtype=torch.int64, non_blocking=True)
         n = uniq.numel()
         if n > self.capacity:
             raise ValueError(f"a window of {n} distinct ids cannot be resident in a cache of {self.capacity}")
         self.generation += 1
         if next_use is not None:
             refresh = time.perf_counter()
-            slots = torch.arange(self.capacity, device=self.device)
-            absolute = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
-            kernels.row_copy(next_use, self.slot_ids[: self.capacity], absolute, slots, self.capacity)
-            self.next_use = torch.where(absolute >= now, absolute - now, torch.full_like(absolute, -1))
-            self.victim_pool.invalidate()
+            self._set_next_use(next_use, now)
             self.seconds["next_use_refresh"] += time.perf_counter() - refresh
         n_uniq = torch.full((1,), n, dtype=torch.int64, device=self.device)
         loc_u, _, _, n_miss, move = self._place(uniq, n_uniq, policy, transfer=False)
         self.bump_stats(windows=torch.ones(1, dtype=torch.int64, device=self.device), window_rows_in=n_miss)
         self.protected.index_fill_(0, self._resident_or_dump(loc_u), True)
         self._count_protected()
-        if next_use is not None:
-            self.next_use.fill_(-1)
-            self.victim_pool.invalidate()
+        self._windows.append(loc_u)
         self.seconds["admit_window"] += time.perf_counter() - start
         return WindowPlan(loc_u, move)
+
+    def _set_next_use(self, next_use: SlotNextUse, now: int) -> None:
+        """The policy's `next_use` (batches from `now` to each slot's next use, -1 for none) from a snapshot:
+        O(cache) elementwise, once per window; a slot whose id changed since the snapshot counts as unused."""
+        c = self.capacity
+        ids = next_use.ids.to(self.device, non_blocking=True)
+        uses = next_use.uses.to(self.device, non_blocking=True)
+        known = (self.slot_ids[:c] == ids) & (uses >= now)
+        self.next_use = torch.where(known, uses - now, torch.full_like(uses, -1))
+        # Only rows used since the last refresh have a later next use now (a lower score): the last windows'
+        # rows, which joined the pool when their protection came off. Every other score stays or rises.
+        if not counts_on_host(self.device):
+            self.victim_pool.invalidate()
+
+    def snapshot_slot_ids(self):
+        """(host copy of the slot ids, CUDA event after which it is complete, or None): taken without blocking,
+        in stream order, for next uses computed off the training thread."""
+        ids = self.slot_ids[: self.capacity]
+        if self.device.type != "cuda":
+            return ids.clone(), None
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return host, event
 
     def transfer_window(self, plan: WindowPlan, stream=None) -> None:
         """Move a planned window's rows. With a CUDA `stream`, the copies run there after everything issued so
@@ -399,8 +445,11 @@ class EmbeddingCache:
         their end. Without one they run in order on the current stream (or at once on CPU)."""
         if plan.move is None:
             return
-        # The admitted rows' counts land now, after the planning: a later ranking may have left their slots out.
-        self.victim_pool.invalidate()
+        # The admitted rows' counts land now, after the planning: a ranking in between may have left their slots
+        # out. Where counts are on the host the copies run right after the planning (no ranking in between), and
+        # the slots are protected until they join the pool when the window ends.
+        if not counts_on_host(self.device):
+            self.victim_pool.invalidate()
         if stream is None:
             self._move_rows(plan.move)
             return
@@ -417,15 +466,17 @@ class EmbeddingCache:
 
     def activate_window(self, plan: WindowPlan) -> None:
         """Make the current stream wait for the window's rows, then protect exactly that window (O(cache), once
-        per window: `seconds["window_protect"]`)."""
+        per window: `seconds["window_protect"]`); nothing to change if it is the only window protected."""
         start = time.perf_counter()
         if plan.done is not None:
             torch.cuda.current_stream(self.device).wait_event(plan.done)
             if self._pending is plan.done:
                 self._pending = None
-        self._drop_protection()
-        self.protected.index_fill_(0, self._resident_or_dump(plan.loc_u), True)
-        self._count_protected()
+        if any(loc is not plan.loc_u for loc in self._windows):
+            self._drop_protection()
+            self.protected.index_fill_(0, self._resident_or_dump(plan.loc_u), True)
+            self._count_protected()
+            self._windows = [plan.loc_u]
         self._window_active = True  # the pipeline's batches up to the next window are all hits
         self.seconds["window_protect"] += time.perf_counter() - start
 
@@ -442,11 +493,14 @@ class EmbeddingCache:
         self._drop_protection()
 
     def _drop_protection(self) -> None:
-        """Unprotected slots fall back to their real scores, which may be below the victim pool's bound."""
+        """Unprotected slots fall back to their real scores, which may be below the victim pool's bound: they
+        join the pool (where counts are on the host; else the pool is invalidated)."""
+        if self._windows:
+            self.victim_pool.include(torch.cat(self._windows), counts_on_host(self.device))
+        self._windows = []
         self._window_active = False
         self.protected.zero_()
         self._n_protected.zero_()
-        self.victim_pool.invalidate()
 
     def _count_protected(self) -> None:
         """Recount the window's protected slots (O(cache), once per window)."""

@@ -54,6 +54,7 @@ class VictimPool:
         self.state = torch.zeros(3, dtype=torch.int64, device=self.device)
         self.ranked = self.state[2:3]
         self.k1 = 0  # victims the pool serves per batch (CUDA rules), fixed at its ranking
+        self.ranked_size = 0  # the pool's size at its last full ranking
         self.misses = MissEstimate(self.device)
         self.device_slots = self.device_score = None  # [C] int64 each, from the first device-side choice
         self.device_policy = None  # the policy the device pool was ranked with; None: stale
@@ -62,6 +63,22 @@ class VictimPool:
     def invalidate(self) -> None:
         self.policy = None
         self.device_policy = None
+
+    def include(self, slots: torch.Tensor, exact: bool) -> None:
+        """Slots whose scores may have dropped (a prefetch window's protection taken off, its rows' next uses
+        moved on) join the candidates, so every slot outside the pool still scores above `bound` and the pool
+        stays exact without a full ranking. Under the CUDA rules (`exact` False: merging would need a sort
+        with a dynamic size) the pool is invalidated instead."""
+        if self.policy is None or self.slots.numel() == self.capacity:
+            return
+        if not exact:
+            self.invalidate()
+            return
+        merged = torch.unique(torch.cat([self.slots, slots[(slots >= 0) & (slots < self.capacity)]]))
+        if merged.numel() > 2 * self.ranked_size:  # re-scoring it would cost more than a ranking saves
+            self.invalidate()
+            return
+        self.slots = merged
 
     def tensors(self):
         extra = [t for t in (self.device_slots, self.device_score) if t is not None]
@@ -163,6 +180,7 @@ class VictimPool:
         all_protected = protected(None)
         score = score_all(policy, all_protected, gate)
         unprotect_hits(score)
+        self.ranked_size = size
         if size < self.capacity:
             self.slots = kernels.victim_select(score, size, exact, gate=gate)  # ascending score
             self.bound = score[self.slots[-1:]]

@@ -10,7 +10,7 @@ Every counted op is attributed to the innermost frame of the library that issued
 
 - `launches`: issued by the library (cachedemb/, kernels/), forward, backward (called by autograd) and, with
   the prefetch pipeline, window admission (the cache operations it calls): the budget;
-- `host_pipeline`: issued by cachedemb/prefetch.py outside the cache and the kernels: the read-ahead bookkeeping
+- `host_pipeline`: issued by cachedemb/prefetch/ outside the cache and the kernels: the read-ahead bookkeeping
   over the host copies of a DataLoader's ids (extracting them, unique ids, next uses, unions), host work when the
   cache is on a GPU, reported apart;
 - `caller`: the training loop's own ops (`out.sum()`, autograd's gradient seed).
@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _ROOT = Path(__file__).resolve().parents[2]
 _LIBRARY = (str(_ROOT / "cachedemb") + os.sep, str(_ROOT / "kernels") + os.sep)
 _TOOLS = str(_ROOT / "cachedemb" / "tools") + os.sep
-_HOST_PIPELINE = str(_ROOT / "cachedemb" / "prefetch.py")
+_HOST_PIPELINE = str(_ROOT / "cachedemb" / "prefetch") + os.sep
 
 
 _DEVICE_LAYERS = (str(_ROOT / "cachedemb" / "cache") + os.sep, str(_ROOT / "kernels") + os.sep)
@@ -53,7 +53,7 @@ def _library_site(depth: int = 2) -> tuple[str, str] | None:
                 site = f"{Path(path).relative_to(_ROOT)}:{frame.f_code.co_name}"
                 if path.startswith(_DEVICE_LAYERS):
                     return "launches", site
-            if path == _HOST_PIPELINE:
+            if path.startswith(_HOST_PIPELINE):
                 return "host_pipeline", site
         frame = frame.f_back
     return None if site is None else ("launches", site)
@@ -218,7 +218,9 @@ def measure_step(bags: int = 64, bag_len: int = 26, num_rows: int = 200_000, cac
         emb = cachedemb.CachedEmbeddingBag(num_rows, dim, mode="sum", cache_rows=cache_rows,
                                            optimizer=optimizer or optim.Adagrad(lr=0.1), device="cpu",
                                            validate_inputs=False)
-        extra = prefetch[1] if prefetch is not None else 0
+        # the pipeline reads horizon + 2 x depth batches ahead of the one yielded: enough batches that it still
+        # reads one per counted step (the steady state)
+        extra = prefetch[1] + 2 * prefetch[0] + 1 if prefetch is not None else 0
         batches = zipf_batches(warmup + steps + extra, num_rows, bags, bag_len, seed)
         source = (cachedemb.prefetch(batches, [emb], depth=prefetch[0], horizon=prefetch[1])
                   if prefetch is not None else batches)

@@ -1,0 +1,226 @@
+"""Next-use bookkeeping over the id horizon: each id's uses among the last `span` batches read, as bits.
+
+Memory is O(distinct ids among those batches) (an `IdMap` of W = ceil(span / 64) words per id: bit p of an
+id's words says it is used by the batch at ring position p = batch % span; plus each batch's distinct ids and
+their map positions until its position comes round again), never O(table rows): a 1B-row table costs what its
+horizon's ids cost. Work per batch is O(its distinct ids): clear the ring position it takes over (the uses of the
+batch `span` earlier; ids left with no use leave the map), set it for its own ids.
+
+Queries read only the bits of the batches they ask about, so reading further ahead (entering batches past the
+queried range) never changes an answer, and nothing is retired: answers are a function of the batches alone,
+however far ahead a thread has read. A query about batches [lo, hi) needs lo >= entered - span (their positions
+not yet taken over) and hi <= entered (or the source ended).
+
+- `first_use(ids, now, horizon)`: each id's first use in [now, now + horizon), O(len(ids));
+- `slot_uses(ids, now, horizon)`: the same for the cache's slot ids, which change little between windows: their
+  map positions are kept from the last call and found again only where the id there changed;
+- `used_between(batch, lo, hi)`: which of a batch's distinct ids are used in [lo, hi) (window unions).
+"""
+from __future__ import annotations
+
+import torch
+
+from cachedemb.prefetch.id_map import IdMap
+
+
+def _signed(word: int) -> int:
+    """A 64-bit pattern as the int64 torch stores."""
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+def lowest_bit(x: torch.Tensor) -> torch.Tensor:
+    """Index of the lowest set bit of each nonzero int64 (x & -x is a power of two, exact in float64)."""
+    return torch.frexp((x & -x).to(torch.float64)).exponent.to(torch.int64) - 1
+
+
+class NextUseTracker:
+    """Uses of each id among the batches read ahead (see the module docstring).
+
+    `enter(batch, uniq)` adds a batch's distinct ids, batches in order from 0. `num_rows` only checks ids; `span`
+    bounds how far the entered batches may run ahead of the oldest batch a query asks about. The consumer-side
+    view of the first tracker (`retire(batch)`, then `next_use[ids]` over every batch entered) is kept.
+    """
+
+    def __init__(self, num_rows: int | None = None, span: int = 128):
+        if not isinstance(span, int) or span < 1:
+            raise ValueError(f"span must be an int >= 1 (batches whose uses are kept), got {span!r}")
+        self.num_rows = num_rows
+        self.span = span
+        self.map = IdMap((span + 63) // 64)
+        self.entered = 0  # batches entered so far: 0 .. entered - 1
+        # batch -> (its distinct ids, their map positions, the map's relayout count then), for the last `span`
+        self.ring: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.retired_upto = 0  # the origin of `next_use[...]`
+        # the slot ids of the last `slot_uses`, their (pinned) map positions, the map's relayout count then
+        self._slots = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), -1)
+
+    # ----------------------------------------------------------------- entering batches
+    def _bit(self, batch: int) -> tuple[int, int]:
+        position = batch % self.span
+        return position // 64, _signed(1 << (position % 64))
+
+    def enter(self, batch: int, uniq: torch.Tensor) -> None:
+        """Batch `batch` (its distinct ids `uniq`, host int64) joins the horizon."""
+        if batch != self.entered:
+            raise ValueError(f"batches enter in order: expected batch {self.entered}, got {batch}")
+        uniq = uniq.reshape(-1).to(torch.int64)
+        if self.num_rows is not None and uniq.numel() and (int(uniq.min()) < 0 or int(uniq.max()) >= self.num_rows):
+            raise ValueError(f"ids must be in [0, {self.num_rows}), got {int(uniq.min())}..{int(uniq.max())}")
+        word, bit = self._bit(batch)
+        old = self.ring.pop(batch - self.span, None)
+        if old is not None:  # the position now means `batch`: clear the uses of the batch `span` earlier
+            _, pos = self._positions(old)
+            column = self.map.words[:, word]
+            column.index_copy_(0, pos, column.index_select(0, pos) & ~bit)
+            self.map.drop_empty(pos)  # ids with no use left in the ring
+        self.map.reserve(uniq.numel())  # before finding: growing the map moves every position
+        pos = self.map.find(uniq)
+        new = (pos < 0).nonzero().squeeze(1)
+        if new.numel():
+            layout = self.map.relayouts
+            pos.index_copy_(0, new, self.map.insert(uniq.index_select(0, new)))
+            if self.map.relayouts != layout:  # the insert had to lay the map out anew
+                pos = self.map.find(uniq)
+        column = self.map.words[:, word]
+        column.index_copy_(0, pos, column.index_select(0, pos) | bit)
+        self.ring[batch] = (uniq, pos, self.map.relayouts)
+        self.entered += 1
+
+    def _positions(self, entry) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, map positions) of a ring entry, found again if the map was laid out since."""
+        ids, pos, relayouts = entry
+        return ids, (pos if relayouts == self.map.relayouts else self.map.find(ids))
+
+    def ring_entry(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(distinct ids, their map positions) of a batch still in the ring."""
+        return self._positions(self.ring[batch])
+
+    def scratch(self) -> torch.Tensor:
+        """An int32 array over the map's positions for a caller's per-id values (contents undefined)."""
+        if getattr(self, "_scratch", None) is None or self._scratch.numel() != self.map.keys.numel():
+            self._scratch = torch.empty(self.map.keys.numel(), dtype=torch.int32)
+        return self._scratch
+
+    # ----------------------------------------------------------------- queries
+    def _check(self, lo: int) -> None:
+        if lo < self.entered - self.span:
+            raise ValueError(f"batch {lo} left the tracker's span ({self.span} batches before batch "
+                             f"{self.entered}): query before reading that far ahead, or use a larger span")
+
+    def _segments(self, lo: int, hi: int):
+        """(word, lo bit, hi bit, batch at lo bit) covering the positions of batches [lo, hi) in batch order."""
+        batch = lo
+        while batch < hi:
+            position = batch % self.span
+            run = min(hi - batch, self.span - position, 64 - position % 64)
+            yield position // 64, position % 64, position % 64 + run, batch
+            batch += run
+
+    def _first_in(self, pos: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """First batch in [lo, hi) whose bit is set in the words at map positions `pos`, -1: none."""
+        rows = self.map.words.index_select(0, pos)
+        value = base = None  # per id: the bits of the first segment that has any, and the batch of its bit 0
+        for word, lo_bit, hi_bit, first_batch in self._segments(lo, hi):
+            seg = rows[:, word] & _signed(((1 << (hi_bit - lo_bit)) - 1) << lo_bit)
+            if value is None:
+                value, base = seg, torch.full_like(seg, first_batch - lo_bit)
+            else:
+                take = value == 0
+                value = torch.where(take, seg, value)
+                base.masked_fill_(take, first_batch - lo_bit)
+        if value is None:
+            return torch.full_like(pos, -1)
+        return torch.where(value != 0, base + lowest_bit(value), torch.full_like(value, -1))
+
+    def _range(self, now: int, horizon: int) -> tuple[int, int]:
+        self._check(now)
+        return now, min(now + max(horizon, 0), self.entered)
+
+    def first_use(self, ids: torch.Tensor, now: int, horizon: int) -> torch.Tensor:
+        """Each id's first use among batches [now, now + horizon) entered so far (absolute), -1 for none."""
+        lo, hi = self._range(now, horizon)
+        ids = ids.reshape(-1).to(torch.int64)
+        out = torch.full_like(ids, -1)
+        if hi <= lo or ids.numel() == 0:
+            return out
+        pos = self.map.find(ids.clamp(min=0))
+        at = ((pos >= 0) & (ids >= 0)).nonzero().squeeze(1)
+        out.index_copy_(0, at, self._first_in(pos.index_select(0, at), lo, hi))
+        return out
+
+    def slot_uses(self, ids: torch.Tensor, now: int, horizon: int) -> torch.Tensor:
+        """`first_use` for a cache's slot ids (-1: empty slot). Their map positions are pinned and kept between
+        calls (an absent id is added with no uses; later batches set its bits there), so a call finds only the
+        ids of slots that changed since the last one: O(changed) probes, plus O(slots) gathers."""
+        lo, hi = self._range(now, horizon)
+        ids = ids.reshape(-1).to(torch.int64)
+        live = ids >= 0
+        kept_ids, kept_pos, layout = self._slots
+        if kept_ids.shape == ids.shape and layout == self.map.relayouts:
+            pos = kept_pos.clone()
+            changed = (ids != kept_ids).nonzero().squeeze(1)
+            old = kept_pos.index_select(0, changed)
+            old = old[old != self.map.none]
+            self.map.pinned.index_fill_(0, old, False)
+            self.map.drop_empty(old)
+        else:  # first call, or the map was laid out anew: every position moved
+            self.map.pinned.zero_()
+            pos = torch.full_like(ids, self.map.none)
+            changed = torch.arange(ids.numel())
+        again = changed[live.index_select(0, changed)]
+        pos.index_fill_(0, changed, self.map.none)
+        if again.numel():
+            layout = self.map.relayouts
+            self.map.reserve(again.numel())
+            wanted = ids.index_select(0, again)
+            found = self.map.find(wanted)
+            absent = (found < 0).nonzero().squeeze(1)
+            if absent.numel():
+                found.index_copy_(0, absent, self._insert_absent(wanted.index_select(0, absent)))
+            if self.map.relayouts != layout:  # laid out anew meanwhile: start over with every position
+                self._slots = (ids[:0], ids[:0], -1)
+                return self.slot_uses(ids, now, horizon)
+            pos.index_copy_(0, again, found)
+            self.map.pinned.index_fill_(0, found, True)
+        self._slots = (ids, pos, self.map.relayouts)
+        if hi <= lo:
+            return torch.full_like(ids, -1)
+        return self._first_in(pos, lo, hi)
+
+    def _insert_absent(self, ids: torch.Tensor) -> torch.Tensor:
+        """Positions of absent ids (duplicates allowed), inserted once each with no uses."""
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        return self.map.insert(uniq).index_select(0, inverse)
+
+    def used_between(self, batch: int, lo: int, hi: int) -> torch.Tensor:
+        """For each distinct id of `batch` (in `ring` order): is it used by a batch in [lo, hi)?"""
+        self._check(lo)
+        _, pos = self.ring_entry(batch)
+        return self._first_in(pos, lo, hi) >= 0
+
+    def nbytes(self) -> int:
+        """Host bytes held: the map, the ring of distinct ids and their positions, the kept slot positions."""
+        ring = sum(ids.numel() * 16 for ids, _, _ in self.ring.values())
+        return self.map.nbytes() + ring + self._slots[0].numel() * 16
+
+    # ----------------------------------------------------------------- the retiring interface
+    def retire(self, batch: int, uniq: torch.Tensor | None = None) -> None:
+        """Batch `batch` was used: `next_use[...]` now answers from batch + 1 on."""
+        self.retired_upto = batch + 1
+
+    @property
+    def next_use(self) -> "_NextUseIndexer":
+        """`tracker.next_use[ids]`: first uses from the retired origin over every batch entered."""
+        return _NextUseIndexer(self)
+
+
+class _NextUseIndexer:
+    """Indexing view of `first_use` from the retired origin."""
+
+    def __init__(self, tracker: NextUseTracker):
+        self.tracker = tracker
+
+    def __getitem__(self, ids) -> torch.Tensor:
+        t = self.tracker
+        query = torch.as_tensor(ids, dtype=torch.int64)
+        return t.first_use(query, t.retired_upto, t.entered - t.retired_upto).reshape(query.shape)

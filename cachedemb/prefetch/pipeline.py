@@ -1,0 +1,335 @@
+"""`Prefetcher`: the training thread's side of the pipeline (stages, threads and hazards: the package docstring)."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from cachedemb.cache.ahead import AheadBatch, accepts_ahead
+from cachedemb.cache.embedding_cache import EmbeddingCache, SlotNextUse
+from cachedemb.cache.policy import Policy, resolve
+from cachedemb.prefetch.read_ahead import ReadAhead
+from cachedemb.prefetch.windows import WindowInfo
+
+IdsFn = Callable[[object], Sequence[torch.Tensor]]
+
+UNIQUE_LEAD = 2  # a batch's forward unique is computed this many batches before it is yielded
+SPAN_SLACK = 2  # batches of uses kept beyond the read-ahead distance
+
+
+def default_ids(module, batch) -> list[tuple[EmbeddingCache, torch.Tensor]]:
+    """(cache, ids in that cache's row space) for a module; modules may define `prefetch_targets(batch)`."""
+    if hasattr(module, "prefetch_targets"):
+        return list(module.prefetch_targets(batch))
+    raise TypeError(f"cannot read ids for {type(module).__name__} from a {type(batch).__name__} batch: pass "
+                    "ids=lambda batch: [ids_for_module_0, ...] to prefetch()")
+
+
+class Prefetcher:
+    """Iterator over `batches` that keeps the given modules' caches one window ahead (see the package docstring)."""
+
+    def __init__(self, batches: Iterable, modules: Sequence, depth: int = 4, horizon: int = 64,
+                 ids: IdsFn | None = None, policy: str | Policy = "lookahead", overlap: bool | None = None,
+                 threaded: bool = True):
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+            raise ValueError(f"depth must be an int >= 1 (batches admitted together), got {depth!r}")
+        if not isinstance(horizon, int) or isinstance(horizon, bool) or horizon < depth:
+            raise ValueError(f"horizon must be an int >= depth={depth} (batches whose ids are read ahead), "
+                             f"got {horizon!r}")
+        if not modules:
+            raise ValueError("modules must name at least one CachedEmbeddingBag(-Collection) to prefetch for")
+        self.source = iter(batches)
+        self.modules = list(modules)
+        self.depth, self.horizon = depth, horizon
+        # Batches read ahead of the one yielded: the horizon of the window planned furthest ahead (two windows
+        # out, with overlap) must be read when that window is planned.
+        self.read_ahead = horizon + 2 * depth
+        self.ids_fn = ids
+        self.policy = resolve(policy)
+        self.overlap = overlap  # None: decided by the caches' device (on for CUDA)
+        self.threaded = threaded  # False: the read-ahead work runs on this thread (same results, for tests)
+        self.buffer: deque = deque()  # (batch number, batch, [host ids per cache])
+        self.caches: list[EmbeddingCache] | None = None
+        self.worker: ReadAhead | None = None
+        self.read_count = 0
+        self.total: int | None = None  # batches in the source, once it ended
+        self.source_error: BaseException | None = None
+        self.window_end = 0
+        self.window_batches: list[int] = []  # batches admitted per window start (0: per-batch path)
+        self.current: tuple[WindowInfo, list] | None = None  # the window in use and its per-cache plans
+        self.pending = None  # (start, count, plans, unions) of the next window, planned and in flight
+        self.next_uses: dict[int, tuple[list, Future]] = {}  # window start -> (snapshots, their next uses)
+        self.uniques: dict[int, Future] = {}  # batch -> its forward's unique ids, computed ahead
+        self.streams: dict = {}
+        self.refused = False
+
+    # ----------------------------------------------------------------- reading
+    def _targets(self, batch) -> list[tuple[EmbeddingCache, torch.Tensor]]:
+        if self.ids_fn is None:
+            return [t for m in self.modules for t in default_ids(m, batch)]
+        ids = list(self.ids_fn(batch))
+        if len(ids) != len(self.modules):
+            raise ValueError(f"ids(batch) returned {len(ids)} tensors for {len(self.modules)} modules")
+        targets = []
+        for module, module_ids in zip(self.modules, ids):
+            cache = getattr(module, "cache", None)
+            if not isinstance(cache, EmbeddingCache):
+                raise ValueError(f"ids= gives one tensor per module, but {type(module).__name__} is not a single "
+                                 "CachedEmbeddingBag; let it read its own ids (omit ids=)")
+            targets.append((cache, module_ids))
+        return targets
+
+    def _start_worker(self, caches: list[EmbeddingCache]) -> None:
+        self.caches = caches
+        self.handoff = [accepts_ahead(c.device) for c in caches]
+        self.worker = ReadAhead([c.capacity for c in caches], self.depth, self.horizon,
+                                span=self.read_ahead + SPAN_SLACK, locate=any(self.handoff), threaded=self.threaded)
+
+    def _read_one(self) -> bool:
+        """Read the next batch and hand its ids to the read-ahead thread. An error reading it is kept and
+        raised once the loop reaches that batch (every batch read before it is still yielded)."""
+        if self.total is not None:
+            return False
+        start = time.thread_time()
+        try:
+            batch = next(self.source)
+            targets = self._targets(batch)
+            caches = [c for c, _ in targets]
+            if self.caches is None:
+                self._start_worker(caches)
+            elif len(caches) != len(self.caches) or any(a is not b for a, b in zip(caches, self.caches)):
+                raise ValueError("every batch must give ids for the same caches, in the same order")
+        except StopIteration:
+            self._end()
+            return False
+        except Exception as error:  # noqa: BLE001 -- raised in the consumer's loop when it gets there
+            self.source_error = error
+            self._end()
+            return False
+        # Private copies: the caller may reuse or change its tensors; the read-ahead thread reads these later.
+        ids = [t.detach().reshape(-1).to(torch.int64, copy=True) if t.device.type == "cpu" else t.detach()
+               for _, t in targets]
+        self.worker.submit_enter(self.read_count, ids)
+        self.buffer.append((self.read_count, batch, ids))
+        self.read_count += 1
+        self._add_seconds("prefetch_read", time.thread_time() - start)
+        return True
+
+    def _end(self) -> None:
+        self.total = self.read_count
+        if self.worker is not None:
+            self.worker.submit_end(self.total)
+
+    def _fill(self) -> None:
+        while len(self.buffer) < self.read_ahead + 1 and self._read_one():
+            pass
+
+    # ----------------------------------------------------------------- windows
+    def _wait(self, future: Future):
+        """A result of the read-ahead thread (its exception raised here); the time blocked is prefetch_wait."""
+        start = time.perf_counter()
+        try:
+            return future.result()
+        finally:
+            self._add_seconds("prefetch_wait", time.perf_counter() - start)
+
+    def _raise_read_ahead_error(self) -> None:
+        """An error on the read-ahead thread is raised in the training loop at the next batch."""
+        failed = self.worker.worker.failed if self.worker is not None else None
+        if failed is not None:
+            raise failed
+
+    def _start_window(self, start: int) -> None:
+        """At a window boundary: switch to the window planned one window ago (its rows were moved meanwhile),
+        or admit this window now; then, overlapping, plan and start moving the next one."""
+        if self.pending is not None and self.pending[0] == start:
+            _, info, plans = self.pending
+            self.pending = None
+            for cache, plan in zip(self.caches, plans):
+                cache.activate_window(plan)
+        else:
+            info = self._wait(self.worker.window_future(start))
+            plans = None
+            if info.count:
+                next_use = self._next_use(start)
+                plans = [cache.admit_window(union, self.policy, nu, now=start)
+                         for cache, union, nu in zip(self.caches, info.unions, next_use)]
+                self._snapshot(info.end)
+            else:
+                for cache in self.caches:
+                    cache.release_window()
+        self.window_end = info.end
+        self.window_batches.append(info.count)
+        self.current = (info, plans)
+        if info.count and self._overlapping():
+            self._plan_next(info)
+
+    def _overlapping(self) -> bool:
+        if self.overlap is None:
+            self.overlap = bool(self.caches) and all(c.device.type == "cuda" for c in self.caches)
+        return self.overlap
+
+    def _side_stream(self, cache: EmbeddingCache):
+        if cache.device.type != "cuda":
+            return None
+        if cache.device not in self.streams:
+            self.streams[cache.device] = torch.cuda.Stream(cache.device)
+        return self.streams[cache.device]
+
+    def _plan_next(self, current: WindowInfo) -> None:
+        """Plan the window after `current` while `current` is in use, if both fit in every cache together, and
+        start its row transfer on a side stream; the current window's rows stay protected."""
+        start = current.end
+        if self.total is not None and start >= self.total:
+            return
+        info = self._wait(self.worker.window_future(start))
+        if not info.count or any(a.numel() + b.numel() > cache.capacity
+                                 for a, b, cache in zip(current.unions, info.unions, self.caches)):
+            return
+        next_use = self._next_use(start)
+        plans = []
+        for cache, union, nu in zip(self.caches, info.unions, next_use):
+            plan = cache.plan_window(union, self.policy, nu, now=start)
+            cache.transfer_window(plan, self._side_stream(cache))
+            plans.append(plan)
+        self.pending = (start, info, plans)
+        self._snapshot(info.end)
+
+    def _snapshot(self, start: int) -> None:
+        """Right after a window's planning: the slots stay as they are until the window starting at `start` is
+        planned (its predecessor's batches are all hits), so its next uses are computed meanwhile."""
+        if self.total is not None and start >= self.total:
+            return
+        snapshots = [cache.snapshot_slot_ids() for cache in self.caches]
+        self.next_uses[start] = (snapshots, self.worker.submit_next_use(start, snapshots))
+
+    def _next_use(self, start: int) -> list[SlotNextUse]:
+        entry = self.next_uses.pop(start, None)
+        if entry is None:  # no snapshot since the last planning (first window, or after per-batch batches)
+            self._snapshot(start)
+            entry = self.next_uses.pop(start)
+        snapshots, future = entry
+        uses = self._wait(future)
+        return [SlotNextUse(ids, u) for (ids, _), u in zip(snapshots, uses)]
+
+    # ----------------------------------------------------------------- hand-off to the forward
+    def _request_unique(self, offset: int) -> None:
+        """Ask for the forward unique of the batch `offset` places ahead in the buffer."""
+        if not any(self.handoff) or offset >= len(self.buffer):
+            return
+        number, _, ids = self.buffer[offset]
+        if number not in self.uniques:
+            self.uniques[number] = self.worker.submit_unique(number,
+                [t if keep else None for t, keep in zip(ids, self.handoff)])
+
+    def _hand_off(self, number: int) -> None:
+        """Give each cache this batch's unique ids (and, inside a window, their slots) if the read-ahead thread
+        has them ready; never waits for them."""
+        future = self.uniques.pop(number, None)
+        if future is None or not future.done():
+            return
+        results = future.result()
+        info, plans = self.current
+        for c, (cache, result) in enumerate(zip(self.caches, results)):
+            if result is None:
+                continue
+            ids, unique = result
+            loc_u = None
+            if plans is not None and info.start <= number < info.end:
+                loc_u = plans[c].loc_u.index_select(0, info.positions[number - info.start][c])
+            cache.ahead = AheadBatch(ids, unique, loc_u)
+
+    def _add_seconds(self, stage: str, seconds: float) -> None:
+        for cache in self.caches or []:
+            cache.seconds[stage] += seconds / len(self.caches)
+
+    def _collect_seconds(self) -> None:
+        for cache, stages in zip(self.caches, self.worker.take_seconds()):
+            for stage, seconds in stages.items():
+                cache.seconds[stage] += seconds
+
+    # ----------------------------------------------------------------- the loop
+    def _claim(self) -> None:
+        """Own the caches for this loop: two pipelines over one cache would each protect and admit their own
+        windows and evict the other's rows mid-window. Refused before either changes anything."""
+        for cache in self.caches or []:
+            owner = getattr(cache, "prefetch_owner", None)
+            if owner is not None and owner is not self:
+                self.refused = True
+                raise RuntimeError(
+                    "cachedemb.prefetch: this module's cache is already used by another prefetch loop that has "
+                    "not ended. Finish that loop, or close it (a loop left by `break` or an exception ends when "
+                    "its iterator is released; call `.close()` on an iterator you keep) before starting another.")
+        for cache in self.caches or []:
+            cache.prefetch_owner = self
+
+    def __iter__(self) -> Iterator:
+        self.refused = False
+        try:
+            self._fill()
+            self._claim()
+            for offset in range(UNIQUE_LEAD):
+                self._request_unique(offset)
+            while self.buffer:
+                number, batch, _ = self.buffer[0]
+                self._raise_read_ahead_error()
+                if number >= self.window_end:
+                    self._start_window(number)
+                self._hand_off(number)
+                self._request_unique(UNIQUE_LEAD)
+                # This batch's forward (one per cache) is all hits; any other forward meanwhile (an eval batch)
+                # waits for an in-flight window transfer before it serves rows from the host.
+                for cache in self.caches:
+                    cache.window_forwards_left = 1
+                self._collect_seconds()
+                self._notify("on_prefetch_yield")
+                yield batch
+                # The consumer asked for the next batch: this one's forward and backward are done.
+                self.buffer.popleft()
+                self.uniques.pop(number, None)
+                self._read_one()
+            if self.source_error is not None:
+                raise self.source_error
+        finally:
+            if self.worker is not None:
+                self.worker.close()
+            for cache in self.caches or []:
+                if getattr(cache, "prefetch_owner", None) not in (self, None):
+                    continue  # another loop's cache (this one was refused): leave its windows alone
+                cache.window_forwards_left = 0
+                cache.ahead = None
+                cache.release_window()  # also unprotects a window planned ahead (overlap), never activated
+                cache.prefetch_owner = None
+            self.pending = None
+            if not self.refused:
+                self._notify("on_prefetch_end")
+
+    def _notify(self, hook: str) -> None:
+        """Modules that act on the batches themselves (a sharded model, whose input all-to-all ran when a batch
+        was read ahead) hear when a batch is yielded and when the loop ends."""
+        for module in self.modules:
+            fn = getattr(module, hook, None)
+            if fn is not None:
+                fn()
+
+
+def prefetch(batches: Iterable, modules: Sequence, depth: int = 4, horizon: int = 64, ids: IdsFn | None = None,
+             policy: str | Policy = "lookahead", overlap: bool | None = None) -> Prefetcher:
+    """Wrap any iterable of batches so the modules' caches admit each window of up to `depth` batches in one go,
+    evicting with knowledge of the next `horizon` batches' ids. Yields the batches unchanged.
+
+    `modules`: CachedEmbeddingBag / CachedEmbeddingBagCollection instances used by the model. Their ids are
+    read from each batch by `module.prefetch_targets(batch)` (a tensor / (input, offsets, ...) tuple for a
+    CachedEmbeddingBag; a KeyedJaggedTensor or dict for a collection) or by `ids(batch) -> [one tensor per
+    module]`; they must be the ids the forward will look up. Training through prefetch gives the same table as
+    training without it. Batches are read `horizon + 2 * depth` ahead of the one yielded.
+
+    A window holds as many batches (<= depth) as fit: one batch may fill a cache, several at most half of it;
+    where not even one batch fits, that batch takes the modules' per-batch path. `overlap` (default: on for CUDA caches) plans each next window
+    while the current one is in use, when both fit in the cache together, and moves its rows on a side stream
+    during the current window's compute.
+    """
+    return Prefetcher(batches, modules, depth=depth, horizon=horizon, ids=ids, policy=policy, overlap=overlap)

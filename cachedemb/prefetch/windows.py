@@ -1,0 +1,81 @@
+"""Window planning: which batches are admitted together, chosen from what fits, and their union.
+
+A window of K batches protects its union for K steps; the rest of the cache is where the eviction policy
+chooses. One batch must be resident for its own forward anyway (the constraint Belady-OPT has too), so a window
+of one batch may fill the cache. A window of more batches also holds the later ones resident meanwhile: once that
+protects most of the cache the policy has no choice left, and the window moves as many rows as the per-batch path
+while costing more, so such a window may take at most `FILL` of a cache's slots. K is the largest count <= depth
+whose union fits in every cache; a batch that does not fit even alone gives K = 0: it takes the modules' own
+per-batch path (misses beyond the free slots served from the host), and the next window starts after it.
+
+The union is built once, batch by batch, with no sort: a batch adds its ids that no earlier batch of the window
+uses (`NextUseTracker.used_between`, the bits the tracker keeps anyway), and the first batch that would overflow
+ends the window: no plan is made, shrunk and made again. Each batch's distinct ids are located in the union
+(`positions`), so a forward inside the window can take its cache slots from the window's admission instead of
+looking them up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cachedemb.prefetch.next_use import NextUseTracker
+
+FILL = 0.5  # a window of two or more batches protects at most this share of a cache's slots
+
+
+@dataclass
+class WindowInfo:
+    """Batches [start, start + count) admitted together; count 0: batch `start` takes the per-batch path."""
+
+    start: int
+    count: int
+    unions: list[torch.Tensor] | None  # per cache: the window's distinct ids (host; in batch order, not sorted)
+    positions: list[list[torch.Tensor]] | None  # per batch, per cache: where its distinct ids sit in the union
+
+    @property
+    def end(self) -> int:
+        return self.start + max(self.count, 1)
+
+
+def window_limit(capacity: int, count: int) -> int:
+    """The most distinct ids a window of `count` batches may hold in a cache of `capacity` rows."""
+    return capacity if count == 1 else int(capacity * FILL)
+
+
+def plan_window(start: int, available: int, trackers: list[NextUseTracker], capacities: list[int], depth: int,
+                locate: bool) -> WindowInfo:
+    """The window starting at `start` over the next `available` batches read (at most `depth` taken), per cache
+    c of `capacities[c]` rows whose batches `trackers[c]` holds."""
+    added: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per batch, per cache: (ids, map positions) it adds
+    sizes = [0] * len(trackers)
+    for k in range(min(available, depth)):
+        batch = start + k
+        fresh = []
+        for tracker in trackers:
+            ids, pos = tracker.ring_entry(batch)
+            if k:
+                new = tracker.used_between(batch, start, batch).logical_not().nonzero().squeeze(1)
+                ids, pos = ids.index_select(0, new), pos.index_select(0, new)
+            fresh.append((ids, pos))
+        grown = [size + ids.numel() for size, (ids, _) in zip(sizes, fresh)]
+        if any(g > window_limit(cap, k + 1) for g, cap in zip(grown, capacities)):
+            break
+        added.append(fresh)
+        sizes = grown
+    count = len(added)
+    if count == 0:
+        return WindowInfo(start, 0, None, None)
+    unions = [torch.cat([batch[c][0] for batch in added]) for c in range(len(trackers))]
+    positions = None
+    if locate:
+        positions = [[] for _ in range(count)]
+        for c, tracker in enumerate(trackers):
+            # each union id's index, written at its map position; a batch's ids read theirs from there
+            index = tracker.scratch()
+            index.index_copy_(0, torch.cat([batch[c][1] for batch in added]),
+                              torch.arange(unions[c].numel(), dtype=index.dtype))
+            for k in range(count):
+                positions[k].append(index.index_select(0, tracker.ring_entry(start + k)[1]).to(torch.int64))
+    return WindowInfo(start, count, unions, positions)

@@ -1,0 +1,300 @@
+"""The read-ahead side of cachedemb.prefetch: next-use bookkeeping against a scan of the horizon, memory that
+follows the horizon (not the table), window depth chosen from what fits (against a set-based planner), the
+per-batch path where one batch does not fit, the read-ahead thread training exactly like the same work done
+inline, the forward's unique ids handed over, errors raised in the training loop, stage timings."""
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import cachedemb
+from cachedemb import optim
+from cachedemb.cache.ahead import AheadBatch, take_ahead
+from cachedemb.cache.embedding_cache import PREFETCH_STAGES
+from cachedemb.kernels.unique_ids import unique_ids_torch
+from cachedemb.prefetch import NextUseTracker, Prefetcher
+from cachedemb.prefetch.windows import FILL
+
+
+def scan(sets, i, lo, hi):
+    """First batch in [lo, hi) whose id set holds i, -1 for none."""
+    for b in range(lo, hi):
+        if i in sets[b]:
+            return b
+    return -1
+
+
+@pytest.mark.parametrize("num,span,horizon", [(30, 7, 5), (200, 70, 64), (1000, 130, 100), (60, 64, 64),
+                                              (60, 65, 60)])
+def test_next_use_bookkeeping_matches_a_scan_of_the_horizon(num, span, horizon):
+    rng = np.random.default_rng(num + span)
+    steps = 3 * span
+    batches = [torch.unique(torch.from_numpy(rng.integers(0, num, rng.integers(0, 30)))) for _ in range(steps)]
+    sets = [set(b.tolist()) for b in batches]
+    tracker = NextUseTracker(num, span=span)
+    slots = torch.from_numpy(rng.integers(-1, num, 40))
+    read = 0
+    for now in range(steps):
+        while read < min(steps, now + span):
+            tracker.enter(read, batches[read])
+            read += 1
+        end = min(now + horizon, read)
+        query = torch.arange(-1, num + 1)
+        assert tracker.first_use(query, now, horizon).tolist() == [scan(sets, i, now, end) for i in query.tolist()]
+        changed = torch.from_numpy(rng.random(slots.numel()) < 0.3)
+        slots = torch.where(changed, torch.from_numpy(rng.integers(-1, num, slots.numel())), slots)
+        expected = [scan(sets, i, now, end) if i >= 0 else -1 for i in slots.tolist()]
+        assert tracker.slot_uses(slots, now, horizon).tolist() == expected
+        if read > now + 3:
+            ids = tracker.ring[now + 3][0].tolist()
+            assert tracker.used_between(now + 3, now, now + 3).tolist() == [scan(sets, i, now, now + 3) >= 0
+                                                                             for i in ids]
+    with pytest.raises(ValueError, match="span"):
+        tracker.first_use(query, 0, horizon)
+
+
+def test_next_use_bookkeeping_holds_the_horizon_not_the_table():
+    """A 1B-row table and a 1M-row one with the same batches' worth of distinct ids cost the same; nothing in the
+    tracker is sized by the table."""
+    g = torch.Generator().manual_seed(0)
+    span, per_batch = 20, 500
+    sizes = {}
+    for rows in (10**6, 10**9):
+        tracker = NextUseTracker(rows, span=span)
+        for b in range(5 * span):
+            tracker.enter(b, torch.unique(torch.randint(0, rows, (per_batch,), generator=g)))
+        tracker.slot_uses(torch.randint(0, rows, (300,), generator=g), 4 * span + 1, span - 1)
+        sizes[rows] = tracker.nbytes()
+        held = [tracker.map.keys, tracker.map.words, tracker.map.pinned]
+        held += [t for entry in tracker.ring.values() for t in entry[:2]] + list(tracker._slots[:2])
+        assert max(t.numel() for t in held) < 64 * span * per_batch
+    assert sizes[10**9] <= 2 * sizes[10**6]
+    assert sizes[10**9] < 200 * span * per_batch  # bytes per distinct id held, whatever the table
+
+
+def window_reference(batches, capacity, depth):
+    """The windows a set-based planner picks: the most batches (<= depth) whose union fits (one batch: the
+    cache; more: FILL of it), 0 where one batch alone does not fit."""
+    sets = [set(torch.unique(b).tolist()) for b in batches]
+    out, start = [], 0
+    while start < len(sets):
+        union, count = set(), 0
+        for k in range(min(depth, len(sets) - start)):
+            grown = union | sets[start + k]
+            if len(grown) > (capacity if k == 0 else int(capacity * FILL)):
+                break
+            union, count = grown, count + 1
+        out.append(count)
+        start += max(count, 1)
+    return out
+
+
+def mixed_batches(num, steps, seed, sizes=(4, 40)):
+    """Batches of `sizes[0]`..`sizes[1]` lookups (Zipf-like ids); sizes=None mixes tiny batches of a few hot ids,
+    medium ones and ones of ~60 distinct ids."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        if sizes is None:
+            kind = float(torch.rand(1, generator=g))
+            if kind < 0.5:
+                ids = (torch.rand(4, generator=g) ** 3 * 20).long()
+            elif kind < 0.8:
+                ids = (torch.rand(16, generator=g) ** 2 * num).long()
+            else:
+                ids = torch.randperm(num, generator=g)[:60]
+        else:
+            n = int(torch.randint(sizes[0], sizes[1], (1,), generator=g))
+            ids = (torch.rand(n, generator=g) ** 2 * num).long()
+        out.append((ids, torch.tensor([0, ids.numel() // 2])))
+    return out
+
+
+def make(num=300, cache_rows=40, seed=0):
+    torch.manual_seed(seed)
+    return cachedemb.CachedEmbeddingBag(num, 4, mode="sum", cache_rows=cache_rows, device="cpu",
+                                        optimizer=optim.Adagrad(lr=0.1))
+
+
+def train(emb, source):
+    for ids, offsets in source:
+        emb(ids, offsets).pow(2).sum().backward()
+    return emb.weight.detach().clone()
+
+
+@pytest.mark.usefixtures("sizing_mode")
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_windows_are_the_most_batches_that_fit(depth):
+    batches = mixed_batches(300, 40, seed=depth, sizes=None)
+    emb = make(cache_rows=40)
+    pipe = cachedemb.prefetch(batches, [emb], depth=depth, horizon=8)
+    cache = emb.cache
+    start = 0
+    for i, (ids, offsets) in enumerate(pipe):
+        if i == start:
+            count = pipe.window_batches[-1]
+            union = set(torch.cat([b[0] for b in batches[i:i + max(count, 1)]]).tolist())
+            protected = set(cache.slot_ids[: cache.capacity][cache.protected[: cache.capacity]].tolist())
+            if count:  # exactly the window is protected, and it fits
+                assert protected == union and len(union) <= (40 if count == 1 else 20)
+            else:
+                assert protected == set() and len(union) > 40
+            start += max(count, 1)
+        emb(ids, offsets).pow(2).sum().backward()
+    assert pipe.window_batches == window_reference([b[0] for b in batches], 40, depth)
+    assert 0 in pipe.window_batches and max(pipe.window_batches) >= min(depth, 3)  # both paths were taken
+    assert torch.equal(emb.weight, train(make(cache_rows=40), batches))
+
+
+@pytest.mark.usefixtures("sizing_mode")
+def test_batches_larger_than_the_cache_take_the_per_batch_path():
+    batches = mixed_batches(300, 12, seed=5, sizes=(60, 80))  # ~45 distinct ids a batch, 30 cache rows
+    emb = make(cache_rows=30)
+    pipe = cachedemb.prefetch(batches, [emb], depth=4, horizon=8)
+    got = train(emb, pipe)
+    assert set(pipe.window_batches) == {0} and len(pipe.window_batches) == len(batches)
+    stats = emb.cache_stats()
+    assert stats["windows"] == 0 and stats["host_rows"] > 0  # the per-batch path served misses from the host
+    assert torch.equal(got, train(make(cache_rows=30), batches))
+
+
+@pytest.mark.usefixtures("sizing_mode")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_read_ahead_thread_trains_like_the_same_work_inline(overlap):
+    """The thread changes when the read-ahead work runs, never what it decides: the same tables and the same
+    rows moved as running it on the training thread, and the same table as no prefetch at all."""
+    batches = mixed_batches(300, 40, seed=1, sizes=(5, 25))
+    runs = []
+    for threaded in (True, False):
+        emb = make(cache_rows=50)
+        pipe = Prefetcher(batches, [emb], depth=3, horizon=10, overlap=overlap, threaded=threaded)
+        weight = train(emb, pipe)
+        stats = emb.cache_stats()
+        runs.append((weight, {k: stats[k] for k in ("rows_in", "rows_out", "evictions", "windows",
+                                                    "window_rows_in", "hits", "misses")}, pipe.window_batches))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1] == runs[1][1] and runs[0][2] == runs[1][2]
+    assert torch.equal(runs[0][0], train(make(cache_rows=50), batches))
+
+
+def test_the_forward_takes_the_unique_ids_and_slots_handed_over(monkeypatch):
+    """CPU, counts on the host: each yielded batch's forward takes the unique ids computed ahead (and its slots
+    inside a window) instead of sorting again; the table is the same."""
+    monkeypatch.delenv("CACHEDEMB_SYNC_FREE", raising=False)
+    monkeypatch.delenv("CACHEDEMB_BACKEND", raising=False)
+    batches = mixed_batches(300, 20, seed=2, sizes=(5, 15))
+    from cachedemb import kernels
+    calls = {"unique": 0, "place": 0}
+    real_unique = kernels.unique_ids
+    emb = make(cache_rows=60)
+    real_place = emb.cache._place
+
+    def counting_unique(*args, **kwargs):
+        calls["unique"] += 1
+        return real_unique(*args, **kwargs)
+
+    def counting_place(*args, **kwargs):
+        calls["place"] += 1
+        return real_place(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "unique_ids", counting_unique)
+    monkeypatch.setattr(emb.cache, "_place", counting_place)
+    pipe = Prefetcher(batches, [emb], depth=2, horizon=6, threaded=False)
+    got = train(emb, pipe)
+    windows, alone = sum(1 for c in pipe.window_batches if c), pipe.window_batches.count(0)
+    assert windows >= 5
+    assert calls["unique"] == 0  # every forward took its unique ids
+    # the windows' admissions and the per-batch path's forwards only: every forward in a window took its slots
+    assert calls["place"] == windows + alone
+    assert torch.equal(got, train(make(cache_rows=60), batches))
+
+
+def test_a_hand_off_that_does_not_match_is_not_taken():
+    ids = torch.tensor([5, 3, 5, 9])
+    unique = unique_ids_torch(ids, None, return_groups=True)
+    slot_ids = torch.tensor([9, 3, 5, -1, -1])
+    loc = torch.tensor([1, 2, 0])
+    assert take_ahead(AheadBatch(ids, unique, loc), ids.clone(), None, slot_ids)[1] is loc
+    assert take_ahead(AheadBatch(ids, unique, loc), torch.tensor([5, 3, 5, 8]), None, slot_ids) is None
+    assert take_ahead(AheadBatch(ids, unique, loc), ids.clone(), 3, slot_ids) is None  # padding: its own unique
+    moved = torch.tensor([9, 4, 5, -1, -1])  # id 3's slot changed hands: the unique ids still serve
+    taken = take_ahead(AheadBatch(ids, unique, loc), ids.clone(), None, moved)
+    assert taken is not None and taken[1] is None
+
+
+def read_ahead_threads():
+    return [t for t in threading.enumerate() if t.name == "cachedemb-read-ahead"]
+
+
+def test_read_ahead_errors_surface_in_the_loop_and_end_it(monkeypatch):
+    batches = mixed_batches(300, 20, seed=3, sizes=(5, 15))
+    emb = make(cache_rows=60)
+    real = NextUseTracker.enter
+
+    def failing(self, batch, uniq):
+        if batch == 9:
+            raise RuntimeError("read-ahead failed at batch 9")
+        return real(self, batch, uniq)
+
+    monkeypatch.setattr(NextUseTracker, "enter", failing)
+    trained = 0
+    with pytest.raises(RuntimeError, match="batch 9"):
+        for ids, offsets in cachedemb.prefetch(batches, [emb], depth=2, horizon=4):
+            emb(ids, offsets).sum().backward()
+            trained += 1
+    assert trained < 9 and not read_ahead_threads()
+    assert not bool(emb.cache.protected.any()) and emb.cache.ahead is None
+    monkeypatch.setattr(NextUseTracker, "enter", real)
+    for ids, offsets in cachedemb.prefetch(batches, [emb], depth=2, horizon=4):  # the module trains on
+        emb(ids, offsets).sum().backward()
+
+
+def test_leaving_the_loop_stops_the_read_ahead_thread():
+    emb = make(cache_rows=60)
+    for i, (ids, offsets) in enumerate(cachedemb.prefetch(mixed_batches(300, 30, seed=4), [emb], depth=2,
+                                                          horizon=8)):
+        assert len(read_ahead_threads()) == 1
+        emb(ids, offsets).sum().backward()
+        if i == 5:
+            break
+    assert not read_ahead_threads()
+
+
+def test_stage_seconds_are_reported():
+    emb = make(cache_rows=60)
+    assert all(emb.cache_stats()["seconds"][stage] == 0.0 for stage in PREFETCH_STAGES)
+    train(emb, cachedemb.prefetch(mixed_batches(300, 20, seed=6, sizes=(5, 15)), [emb], depth=2, horizon=6))
+    seconds = emb.cache_stats()["seconds"]
+    assert all(seconds[stage] >= 0.0 for stage in PREFETCH_STAGES)
+    for stage in ("prefetch_read", "prefetch_unique", "prefetch_next_use", "prefetch_window_plan",
+                  "prefetch_next_use_query", "admit_window"):
+        assert seconds[stage] > 0.0, stage
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_ids_are_read_ahead_without_a_host_sync():
+    """Batches already on the GPU: the pipeline copies their ids to the host without blocking (the read-ahead
+    thread waits for the copy), so steady-state steps make no host sync; the table equals training without."""
+    torch.manual_seed(0)
+    num = 20_000
+    batches = [((torch.rand(4096, device="cuda") ** 3 * num).long(), torch.arange(0, 4096, 16, device="cuda"))
+               for _ in range(24)]
+
+    def model():
+        torch.manual_seed(0)
+        return cachedemb.CachedEmbeddingBag(num, 16, mode="sum", cache_rows=2000, device="cuda",
+                                            validate_inputs=False, optimizer=optim.Adagrad(lr=0.1))
+
+    emb = model()
+    for i, (ids, offsets) in enumerate(cachedemb.prefetch(batches, [emb], depth=2, horizon=8)):
+        torch.cuda.set_sync_debug_mode("error" if i >= 4 else "default")
+        try:
+            emb(ids, offsets).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    plain = model()
+    for ids, offsets in batches:
+        plain(ids, offsets).sum().backward()
+    torch.testing.assert_close(emb.weight, plain.weight, rtol=0, atol=0)
