@@ -24,6 +24,18 @@ def random_trace(rng, num_ids, num_batches, max_batch):
 # ---------------------------------------------------------------- pure-Python references
 
 
+def ref_window(batches, t, depth, capacity):
+    """cachedemb.prefetch's window at t: the most batches (<= depth) whose union fits, in the whole cache for one
+    batch and in half of it (WINDOW_FILL) for more; (0, None) when batch t alone does not fit."""
+    best = (0, None)
+    for k in range(1, min(depth, len(batches) - t) + 1):
+        union = set().union(*batches[t:t + k])
+        if len(union) > (capacity if k == 1 else int(capacity * 0.5)):
+            break
+        best = (k, union)
+    return best
+
+
 def ref_full(trace, capacity, policy, horizon=1, depth=1, initial_counts=None, preload=(), prefetch=False,
              overlap=False):
     """One id at a time, with sets and dicts: the rules as the cache_sim docstrings state them."""
@@ -48,16 +60,12 @@ def ref_full(trace, capacity, policy, horizon=1, depth=1, initial_counts=None, p
                 if pending is not None and pending[0] == t:
                     k, union = pending[1], pending[2]
                 else:
-                    k = min(depth, remaining)
-                    while k >= 1 and len(set().union(*batches[t:t + k])) > capacity:
-                        k //= 2
-                    union = set().union(*batches[t:t + k]) if k else None
+                    k, union = ref_window(batches, t, depth, capacity)
                 pending, window_end = None, t + max(k, 1)
                 if k:
                     P = set(union)
-                    nxt = min(depth, min(horizon, remaining) - k)
-                    ahead = set().union(*batches[window_end:window_end + nxt]) if nxt >= 1 else set()
-                    if overlap and nxt >= 1 and len(P | ahead) <= capacity:
+                    nxt, ahead = ref_window(batches, window_end, depth, capacity)
+                    if overlap and nxt and len(P) + len(ahead) <= capacity:
                         pending, P = (window_end, nxt, ahead), P | ahead
         elif policy == "lookahead":
             for j in range(1, depth):
@@ -202,8 +210,8 @@ def test_lookahead_matches_reference():
 
 
 def test_prefetch_windows_match_reference():
-    """cachedemb.prefetch's windows: halved until they fit, kept until they end, the next one admitted early
-    with overlap when both fit and the horizon has read it."""
+    """cachedemb.prefetch's windows: the batches that fit together (two or more in half the cache), kept until
+    they end, the next one admitted early with overlap when both fit."""
     for seed in range(120):
         rng = np.random.default_rng(700 + seed)
         trace = random_trace(rng, int(rng.integers(3, 25)), int(rng.integers(1, 16)), int(rng.integers(1, 9)))
@@ -474,3 +482,12 @@ def test_criteo_like_trace_layout():
     assert np.unique(ids[:, 0]).size == 10 and ids[:, 1].min() >= 10
     with pytest.raises(ValueError, match="one per table"):
         traces.criteo_like_trace([10, 20], alphas=[1.0])
+
+
+def test_window_fill_is_the_pipelines():
+    """The simulator replays cachedemb.prefetch's window rule with its own copy of the fill share (sizing sits
+    below the pipeline in the import graph)."""
+    from cachedemb.prefetch.windows import FILL
+    from cachedemb.sizing.simulators import WINDOW_FILL
+
+    assert WINDOW_FILL == FILL

@@ -52,6 +52,8 @@ __all__ = [
     "simulate_set_lru",
 ]
 
+#: The share of the cache a prefetch window of two or more batches may fill (cachedemb.prefetch.windows.FILL).
+WINDOW_FILL = 0.5
 #: Next-use value of an id that is never used again (fits in int64 even when negated).
 INF = np.int64(1 << 62)
 
@@ -344,32 +346,38 @@ class _Lookahead(_OPT):
             p = q
         return p
 
+    def _plan(self, t, remaining):
+        """cachedemb.prefetch's window plan at ``t`` (cachedemb/prefetch/windows.py): batches join while the union
+        fits, a window of two or more batches in ``WINDOW_FILL`` of the cache; (count, union), count 0 when batch
+        ``t`` alone does not fit."""
+        union, count = None, 0
+        for k in range(min(self.depth, remaining)):
+            grown = self.prep.uniq[t] if k == 0 else np.union1d(union, self.prep.uniq[t + k])
+            if grown.size > (self.capacity if k == 0 else int(self.capacity * WINDOW_FILL)):
+                break
+            union, count = grown, k + 1
+        return count, union
+
     def _prefetch_window(self, t):
-        """cachedemb.prefetch's windows: at a window start the union of up to ``depth`` batches (halved until it
-        fits; none fits: the batch alone, oversized), kept until the window ends; with ``overlap`` the next
-        whole window too, admitted now when both fit together."""
+        """cachedemb.prefetch's windows: at a window start the batches that fit together (`_plan`), kept until the
+        window ends (none fits: the batch alone, oversized); with ``overlap`` the next window too, admitted now
+        when both unions fit together."""
         if t < self.window_end:
             return self.prep.uniq[t]  # inside a window: its rows are resident
         remaining = len(self.prep.uniq) - t
         if self.pending is not None and self.pending[0] == t:
             _, count, union = self.pending
         else:
-            count = min(self.depth, remaining)
-            union = self._union(t, count)
-            while count >= 1 and union.size > self.capacity:
-                count //= 2
-                union = self._union(t, count) if count else None
+            count, union = self._plan(t, remaining)
         self.pending = None
         self.window_end = t + max(count, 1)
         if not count:
             return self.prep.uniq[t]
-        nxt = min(self.depth, min(self.horizon, remaining) - count)  # batches read ahead past this window
-        if self.overlap and nxt >= 1:
-            nxt_union = self._union(self.window_end, nxt)
-            both = np.union1d(union, nxt_union)
-            if both.size <= self.capacity:
+        if self.overlap and self.window_end < len(self.prep.uniq):
+            nxt, nxt_union = self._plan(self.window_end, len(self.prep.uniq) - self.window_end)
+            if nxt and union.size + nxt_union.size <= self.capacity:
                 self.pending = (self.window_end, nxt, nxt_union)
-                return both
+                return np.union1d(union, nxt_union)
         return union
 
     def keys(self, ids, t):
@@ -480,10 +488,10 @@ def simulate_lookahead(trace, capacity: int, horizon: int, depth: int = 1, *, in
     use is furthest away.  Prefetched rows count as rows moved in the batch that loads them.
 
     ``prefetch=True`` replays `cachedemb.prefetch`'s windows instead of a window sliding every batch: at a
-    window start ``s`` the union of batches ``s..s+k-1`` is admitted (``k`` = ``depth`` halved until the union
-    fits; 0: batch ``s`` alone, oversized) and protected until ``s+k``, where the next window starts (1 for k =
-    0); ``overlap=True`` (its CUDA default) also admits the next window at ``s`` (the next ``depth`` batches, or
-    fewer when the ``horizon`` read ahead ends sooner) when both fit together.
+    window start ``s`` the union of batches ``s..s+k-1`` is admitted (``k <= depth``: batches join while the union
+    fits, in half the cache for two or more; 0: batch ``s`` alone, oversized) and protected until ``s+k``, where
+    the next window starts (1 for k = 0); ``overlap=True`` (its CUDA default) also admits the next window at ``s``
+    when both unions fit together.
     With ``depth=1`` both modes are the same.
     """
     for name, v in (("horizon", horizon), ("depth", depth)):
