@@ -33,7 +33,7 @@ from cachedemb.collection.inputs import CollectionInputs, is_torchrec, torchrec_
 from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag, DynamicIds
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.modules.errors import InvalidWeightDtypeError, InvalidWeightShapeError
-from cachedemb.modules.meta_init import probe_apply
+from cachedemb.modules.meta_init import default_device, probe_apply
 from cachedemb.optim import SparseOptimizer
 from cachedemb.cache.policy import Policy
 from cachedemb.collection.table_config import DTYPES, TableConfig
@@ -346,7 +346,7 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         default means CUDA when there is one (where the cache belongs)."""
         if device is not None:
             return torch.device(device)
-        default = torch.get_default_device() if hasattr(torch, "get_default_device") else torch.device("cpu")
+        default = default_device()
         if default.type != "cpu":
             return default
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

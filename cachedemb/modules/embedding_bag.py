@@ -19,7 +19,7 @@ from cachedemb.modules.errors import (
     StaleTableWriteError,
 )
 from cachedemb.modules.input_check import BagInput, integer_arg, normalize_bag_input, size_arg
-from cachedemb.modules.meta_init import MetaTable, TableInit, init_rows, probe_apply
+from cachedemb.modules.meta_init import MetaTable, TableInit, default_device, init_rows, probe_apply
 from cachedemb.optim import SparseOptimizer
 from cachedemb.cache.policy import Policy
 
@@ -258,7 +258,7 @@ class CachedEmbeddingBag(nn.Module):
         """An explicit device, else `meta` under `with torch.device("meta")`, else CUDA when there is one."""
         if device is not None:
             return torch.device(device)
-        default = torch.get_default_device() if hasattr(torch, "get_default_device") else torch.device("cpu")
+        default = default_device()
         if default.type == "meta":
             return default
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -156,3 +156,18 @@ def _replay_elementwise(init: TableInit, total: int, dtype, lo: int, hi: int, fl
 
 
 __all__ = ["CHUNK_ELEMENTS", "MetaTable", "TableInit", "init_rows", "iter_init_chunks", "iter_init_range", "probe_apply"]
+
+
+def default_device() -> torch.device:
+    """The device factory functions use now: `torch.set_default_device` or an enclosing `with torch.device(...)`
+    (torch < 2.6's `get_default_device` misses the latter, so the function-mode stack is read too)."""
+    default = torch.get_default_device() if hasattr(torch, "get_default_device") else torch.device("cpu")
+    if default.type != "cpu":
+        return default
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return torch.device(mode.device)
+    return default
