@@ -1,12 +1,14 @@
 """cachedemb: nn.EmbeddingBag with the table in host memory behind a frequency-aware device cache."""
-from cachedemb import optim
+from cachedemb import optim, sizing
 from cachedemb.modules.checkpoint import load_checkpoint, save_checkpoint
 from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag, DynamicIds
 from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection, TableConfig
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.materialize import materialize
 from cachedemb.prefetch import prefetch
+from cachedemb.storage.embedding_bag import FileBackedEmbeddingBag, FileStorage, open_table
 
-__all__ = ["CachedEmbeddingBag", "CachedEmbeddingBagCollection", "DynamicEmbeddingBag", "DynamicIds", "TableConfig", "load_checkpoint",
-           "materialize", "optim", "prefetch", "save_checkpoint"]
+__all__ = ["CachedEmbeddingBag", "CachedEmbeddingBagCollection", "DynamicEmbeddingBag", "DynamicIds", "FileBackedEmbeddingBag",
+           "FileStorage", "TableConfig", "load_checkpoint", "materialize", "open_table", "optim", "prefetch",
+           "save_checkpoint", "sizing"]
 __version__ = "0.1.0"

@@ -11,13 +11,16 @@
 #   kernels  bench_kernels.py, zero-copy and staged row copies                        (120 + 120 s)
 #   step     bench_embedding_bag.py at 20M rows: 1% cache vs the table in GPU memory,
 #            with prefetch, and step time vs cache rows 50k-4M                    (150 + 150 + 200 s)
+#   peers    bench_peers.py at 20M rows, 1% cache: nn.EmbeddingBag in GPU memory, ColossalAI, FBGEMM's UVM
+#            cache, cachedemb with and without prefetch (JSON + PNG); installs the peers' wheels first from
+#            the folders in PEER_WHEELS (default .whl; scripts/fetch_peer_wheels.sh)          (120 + 420 s)
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-STAGES=(tests kernels step)
+STAGES=(tests kernels step peers)
 
 usage() {
-    sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,/^set /p' "${BASH_SOURCE[0]}" | grep '^#' | sed 's/^# \{0,1\}//'
 }
 
 setup() {
@@ -49,6 +52,36 @@ stage_step() {
     timeout 200 python3 scripts/bench_embedding_bag.py --rows 20000000 --steps 12 --warmup 4 --batch 4096 --cache-rows 50000 200000 1000000 4000000 --skip-reference --out "$out/embedding_bag_cache_rows.json" 2>&1 | tail -n 8
 }
 
+stage_peers() {
+    # The image has neither colossalai nor fbgemm_gpu and no network: wheels travel in a carried folder and are
+    # installed into a target folder on PYTHONPATH. A wheel split into NAME.whl.part-NN (larger than one call
+    # carries) is joined first. A peer still missing reports why in the JSON; the others run.
+    local site=/tmp/peer_site dir first wheels=()
+    local -a dirs
+    IFS=: read -ra dirs <<< "${PEER_WHEELS:-.whl}"
+    for dir in "${dirs[@]}"; do
+        [ -d "$dir" ] || continue
+        for first in "$dir"/*.whl.part-00; do
+            [ -e "$first" ] && cat "${first%.part-00}".part-* > "${first%.part-00}"
+        done
+        for first in "$dir"/*.whl; do
+            [ -e "$first" ] && wheels+=("$first")
+        done
+    done
+    if [ ${#wheels[@]} -gt 0 ]; then
+        if timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                --target "$site" "${wheels[@]}" >"$out/peers_install.log" 2>&1; then
+            export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+        else
+            echo "peer wheels did not install (see peers_install.log):"; tail -n 5 "$out/peers_install.log"
+        fi
+    else
+        echo "no peer wheels in ${PEER_WHEELS:-.whl}: colossalai / fbgemm_gpu peers will report 'not installed'"
+    fi
+    timeout 420 python3 scripts/bench_peers.py --machine "$(sed -n 2p "$out/device.txt")" \
+        --out "$out/peers.json" 2>&1 | tail -n 12
+}
+
 if [ $# -eq 0 ]; then
     usage
     exit 0
@@ -57,7 +90,7 @@ todo=()
 for arg in "$@"; do
     case "$arg" in
         all) todo+=("${STAGES[@]}") ;;
-        tests|kernels|step) todo+=("$arg") ;;
+        tests|kernels|step|peers) todo+=("$arg") ;;
         *) echo "unknown stage '$arg': expected one of ${STAGES[*]} or all" >&2; usage >&2; exit 2 ;;
     esac
 done

@@ -7,7 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from cachedemb.tools import cache_sim, traces
+from cachedemb.sizing import simulators as cache_sim
+from cachedemb.tools import traces
 
 INF = 1 << 62
 MASK64 = (1 << 64) - 1
@@ -23,11 +24,15 @@ def random_trace(rng, num_ids, num_batches, max_batch):
 # ---------------------------------------------------------------- pure-Python references
 
 
-def ref_full(trace, capacity, policy, horizon=1, depth=1):
+def ref_full(trace, capacity, policy, horizon=1, depth=1, initial_counts=None, preload=(), prefetch=False,
+             overlap=False):
     """One id at a time, with sets and dicts: the rules as the cache_sim docstrings state them."""
     batches = [Counter(int(x) for x in b) for b in trace]
     T = len(batches)
-    cache, last, count, rcount = set(), {}, Counter(), {}
+    cache, last, count, rcount = {int(i) for i in preload}, {}, Counter(), {}
+    window_end, pending = 0, None
+    if initial_counts is not None:
+        count.update({i: int(c) for i, c in enumerate(initial_counts)})
     moved, hits, streamed = [], 0, 0
     for t in range(T):
         U = set(batches[t])
@@ -37,7 +42,24 @@ def ref_full(trace, capacity, policy, horizon=1, depth=1):
             last[i] = t
             count[i] += c
         P = set(U)
-        if policy == "lookahead":
+        if policy == "lookahead" and prefetch:  # cachedemb.prefetch's windows
+            if t >= window_end:
+                remaining = T - t
+                if pending is not None and pending[0] == t:
+                    k, union = pending[1], pending[2]
+                else:
+                    k = min(depth, remaining)
+                    while k >= 1 and len(set().union(*batches[t:t + k])) > capacity:
+                        k //= 2
+                    union = set().union(*batches[t:t + k]) if k else None
+                pending, window_end = None, t + max(k, 1)
+                if k:
+                    P = set(union)
+                    nxt = min(depth, min(horizon, remaining) - k)
+                    ahead = set().union(*batches[window_end:window_end + nxt]) if nxt >= 1 else set()
+                    if overlap and nxt >= 1 and len(P | ahead) <= capacity:
+                        pending, P = (window_end, nxt, ahead), P | ahead
+        elif policy == "lookahead":
             for j in range(1, depth):
                 if t + j >= T or len(P | set(batches[t + j])) > capacity:
                     break
@@ -48,11 +70,11 @@ def ref_full(trace, capacity, policy, horizon=1, depth=1):
 
         def key(i):
             if policy == "lru":
-                return (last[i], i)
+                return (last.get(i, -1), i)
             if policy == "lfu":
-                return (count[i], last[i], i)
+                return (count[i], last.get(i, -1), i)
             if policy == "lfu_reset":
-                return (rcount[i], last[i], i)
+                return (rcount.get(i, 0), last.get(i, -1), i)
             if policy == "opt":
                 return (-next_use(i), i)
             nu = next_use(i)
@@ -179,6 +201,57 @@ def test_lookahead_matches_reference():
             assert r.misses <= r.rows_moved
 
 
+def test_prefetch_windows_match_reference():
+    """cachedemb.prefetch's windows: halved until they fit, kept until they end, the next one admitted early
+    with overlap when both fit and the horizon has read it."""
+    for seed in range(120):
+        rng = np.random.default_rng(700 + seed)
+        trace = random_trace(rng, int(rng.integers(3, 25)), int(rng.integers(1, 16)), int(rng.integers(1, 9)))
+        prep = cache_sim.prepare_trace(trace)
+        for cap, (horizon, depth), overlap in itertools.product((1, 3, 6, 12), ((1, 1), (2, 2), (4, 2), (8, 4)),
+                                                                (False, True)):
+            r = cache_sim.simulate_lookahead(prep, cap, horizon=horizon, depth=depth, prefetch=True, overlap=overlap)
+            check(r, ref_full(trace, cap, "lookahead", horizon, depth, prefetch=True, overlap=overlap))
+            if depth == 1 and not overlap:
+                slide = cache_sim.simulate_lookahead(prep, cap, horizon=horizon, depth=1)
+                assert slide.rows_moved_per_batch.tolist() == r.rows_moved_per_batch.tolist()
+
+
+def test_warm_start_matches_reference():
+    """Preloaded rows and seeded counts (the module's id_freq + warmup_ratio), ids compacted or not."""
+    for seed in range(80):
+        rng = np.random.default_rng(500 + seed)
+        num_ids = int(rng.integers(3, 25))
+        trace = random_trace(rng, num_ids, int(rng.integers(1, 12)), int(rng.integers(1, 8)))
+        counts = rng.integers(0, 6, size=num_ids + 3)
+        for cap in (1, 3, 6, 12):
+            preload = rng.choice(num_ids + 3, size=min(cap, num_ids + 3, int(rng.integers(0, cap + 1))), replace=False)
+            for shift in (0, 1 << 40):  # ids past the direct-index bound are compacted
+                shifted = [b + shift for b in trace]
+                big_counts = counts if not shift else None
+                for policy in ("lru", "lfu", "lfu_reset", "opt"):
+                    kw = {"initial_counts": big_counts} if policy == "lfu" else {}
+                    r = cache_sim.simulate(policy, shifted, cap, preload=preload + shift, **kw)
+                    ref = ref_full(trace, cap, policy, initial_counts=big_counts if policy == "lfu" else None,
+                                   preload=preload)
+                    check(r, ref)
+                r = cache_sim.simulate_lookahead(shifted, cap, horizon=2, depth=2, initial_counts=big_counts,
+                                                 preload=preload + shift)
+                check(r, ref_full(trace, cap, "lookahead", 2, 2, initial_counts=big_counts, preload=preload))
+
+
+def test_warm_start_errors():
+    with pytest.raises(ValueError, match="more than the capacity"):
+        cache_sim.simulate_lfu([np.array([1, 2])], 2, preload=[3, 4, 5])
+    with pytest.raises(ValueError, match="initial_counts must be a 1-D integer"):
+        cache_sim.simulate_lfu([np.array([1, 2])], 2, initial_counts=np.ones((2, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match="non-negative"):
+        cache_sim.simulate_lfu([np.array([1, 2])], 2, initial_counts=np.array([0, -1, 0]))
+    prep = cache_sim.prepare_trace([np.array([1 << 40])])
+    with pytest.raises(ValueError, match="neither in the trace"):
+        cache_sim.simulate_lru(prep, 2, preload=[7])
+
+
 def test_set_lru_matches_reference():
     for seed in range(150):
         rng = np.random.default_rng(200 + seed)
@@ -205,6 +278,12 @@ def test_fmix64_matches_reference_and_wraps():
 
 
 # ---------------------------------------------------------------- optimality
+
+
+def test_old_module_name_serves_the_same_simulators():
+    from cachedemb.tools import cache_sim as old
+
+    assert old.simulate_lfu is cache_sim.simulate_lfu and set(old.__all__) == set(cache_sim.__all__)
 
 
 def test_opt_equals_exhaustive_optimum():

@@ -1,5 +1,5 @@
 """The package's import graph, read from the source (ast, nothing imported): no import cycle, imports point one
-way (kernels -> cache -> modules -> dynamic -> collection / prefetch -> distributed -> recipes / tools), no
+way (kernels -> cache -> modules / sizing -> dynamic -> collection / prefetch -> distributed -> recipes / tools), no
 `thing_*.py` family of files where a folder belongs, every package in the wheel's package list, and each
 subpackage says what it owns and may import. The checkers are run on small bad graphs too, so they can fail."""
 import ast
@@ -20,7 +20,9 @@ LAYERS = [
     ("cachedemb.cache", 1),
     ("cachedemb.optim", 1),
     ("cachedemb.modules", 2),
+    ("cachedemb.sizing", 2),
     ("cachedemb.dynamic", 3),
+    ("cachedemb.storage", 3),
     ("cachedemb.collection", 4),
     ("cachedemb.prefetch", 4),
     ("cachedemb.materialize", 5),
@@ -194,7 +196,8 @@ def test_wheel_lists_every_package():
                                                                        if k != "cachedemb"}
 
 
-@pytest.mark.parametrize("package", ["cache", "modules", "collection", "dynamic", "distributed", "tools"])
+@pytest.mark.parametrize("package", ["cache", "modules", "collection", "dynamic", "distributed", "storage", "tools",
+                                     "sizing"])
 def test_subpackage_says_what_it_owns_and_may_import(package):
     doc = ast.get_docstring(ast.parse((ROOT / "cachedemb" / package / "__init__.py").read_text()))
     assert doc and re.search(r"may import|imports? this package|nothing in `?cachedemb`? imports", doc, re.I)

@@ -148,6 +148,9 @@ class EmbeddingCache:
         self.window_forwards_left = 0
         self._window_active = False  # an admitted window is protected (activate_window .. the next drop)
         self.table_starts = self.table_ranks = None  # set_tables(): per-table ranks for the policies
+        # A host tier in front of this cache (cachedemb.storage) that fills host rows asynchronously: called
+        # with a window's ids before its admission reads their host rows, so rows still being read land first.
+        self.host_fence = None
 
     # ----------------------------------------------------------------- device buffers
     def _allocate(self, slots: int) -> None:
@@ -384,6 +387,8 @@ class EmbeddingCache:
         metadata and the index change now, in stream order; the row copies are left to `transfer_window`.
         The window's slots are protected at once, so nothing else evicts them meanwhile."""
         start = time.perf_counter()
+        if self.host_fence is not None:
+            self.host_fence(uniq)
         uniq = uniq.to(device=self.device, dtype=torch.int64)
         n = uniq.numel()
         if n > self.capacity:
@@ -663,6 +668,48 @@ class EmbeddingCache:
         self._fill(torch.where(resident, ids, -1), slots, ids.numel())
         self.dirty.index_fill_(0, torch.where(resident, slots, self.dump), False)
         self.victim_pool.invalidate()  # counts re-read from the host may be lower
+
+    def drop_rows(self, ids: torch.Tensor) -> None:
+        """Before the host rows `ids` are given to other ids by their owner (a host tier in front): write the
+        resident copies back (rows and state if dirty, counts always) and empty their slots. O(len(ids))."""
+        ids = ids.to(device=self.device, dtype=torch.int64)
+        if ids.numel() == 0:
+            return
+        slots = self.slots_of(ids)
+        resident = slots >= 0
+        slots = torch.where(resident, slots, torch.full_like(slots, self.dump))
+        n = torch.full((1,), ids.numel(), dtype=torch.int64, device=self.device)
+        self.bump_stats(rows_out=self._write_back(slots, n), evictions=resident.sum().reshape(1))
+        kernels.index_delete(self.index_keys, torch.where(resident, ids, torch.full_like(ids, -1)), ids.numel(),
+                             self._early_exit())
+        self.slot_ids.index_fill_(0, slots, -1)
+        self.dirty.index_fill_(0, slots, False)
+        self._n_protected -= (resident & take(self.protected, slots)).sum().reshape(1)
+        self.protected.index_fill_(0, slots, False)
+        # Emptied slots score below the pool's bound: where the count is free to read, the pool is ranked
+        # again; under the CUDA rules they wait for the pool's next ranking (victim choice, never results).
+        if self._on_host(resident.sum(), 0):
+            self.victim_pool.invalidate()
+
+    def resize_host(self, num_rows: int) -> None:
+        """Give the host side `num_rows` rows (the first min(old, new) kept): a host tier in front that needs
+        a transient staging area. Every resident row must lie below `num_rows`."""
+        keep = min(num_rows, self.num_rows)
+        weight = pinned_empty((num_rows, self.dim), self.dtype)
+        weight[:keep].copy_(self.host_weight[:keep])
+        self.host_weight = weight
+        for name, host in list(self.host_states.items()):
+            state = pinned_empty((num_rows, host.shape[1]), host.dtype)
+            state[:keep].copy_(host[:keep])
+            state[keep:].zero_()
+            self.host_states[name] = state
+        freq = pinned_empty((num_rows,), torch.int64)
+        freq[:keep].copy_(self.host_freq[:keep])
+        freq[keep:].zero_()
+        self.host_freq = freq
+        if num_rows > keep:
+            self.host_weight[keep:].zero_()
+        self.num_rows = num_rows
 
     def replace_host_table(self, host_weight: torch.Tensor) -> None:
         """Adopt a new host table (same shape; its dtype becomes the cache's, optimizer state following the

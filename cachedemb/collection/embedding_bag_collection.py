@@ -9,19 +9,24 @@ feature) pair: a feature several tables look up is one lookup per table (output 
 A table with `dynamic=DynamicIds(...)` (raw int64 ids, cachedemb.dynamic) is a group of its own, a
 DynamicEmbeddingBag over its slab: its lookups' raw ids go in unshifted and the remap finds their rows.
 
+With `storage=FileStorage(directory, host_cache_bytes)` (cachedemb.storage) every other table is a group of its
+own, a FileBackedEmbeddingBag on `<directory>/<table name>.cemb`; the host cache bytes are split over the tables
+in proportion to their rows x dim (at least 4 KiB each).
+
 fx tracing, export, torch.compile and TorchScript: see `cachedemb.collection.capture`.
 """
 from __future__ import annotations
 
 import itertools
 from collections import Counter
+from pathlib import Path
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from cachedemb.collection import capture
+from cachedemb.collection import cache_budget, capture
 from cachedemb.cache.embedding_cache import pinned_empty
 from cachedemb.collection.capture import NotScriptableError, fx_lookup, fx_lookup_live
 from cachedemb.collection.inputs import CollectionInputs, is_torchrec, torchrec_type
@@ -32,6 +37,8 @@ from cachedemb.modules.meta_init import probe_apply
 from cachedemb.optim import SparseOptimizer
 from cachedemb.cache.policy import Policy
 from cachedemb.collection.table_config import DTYPES, TableConfig
+from cachedemb.modules.meta_init import TableInit, iter_init_chunks
+from cachedemb.storage.embedding_bag import FileBackedEmbeddingBag, FileStorage
 
 # Under torch.fx.symbolic_trace each lookup is one node calling these (patched in this module's globals).
 torch.fx.wrap("fx_lookup")
@@ -40,6 +47,7 @@ torch.fx.wrap("fx_lookup_live")
 
 _STEP = "optimizer.step"
 _META = torch.device("meta")
+_MIN_TABLE_HOST_BYTES = 4 << 10  # a table on file gets at least this much of the host cache (a few rows)
 
 
 class _GroupBag(CachedEmbeddingBag):
@@ -55,6 +63,17 @@ class _GroupBag(CachedEmbeddingBag):
 
 class _DynamicGroupBag(DynamicEmbeddingBag):
     """A dynamic table's DynamicEmbeddingBag; its state is saved and loaded by the table's view."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        return None
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        return None
+
+
+class _FileGroupBag(FileBackedEmbeddingBag):
+    """A table on file; its state (a snapshot descriptor) is saved and loaded by the table's view."""
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         return None
@@ -139,6 +158,7 @@ class _Group:
     rows: int
     lookups: tuple[int, ...]  # indices into the collection's lookups, in output order
     dynamic: DynamicIds | None = None  # a raw-id table, alone in its group
+    stored: bool = False  # a table on file (storage=), alone in its group
 
 
 @dataclass(frozen=True)
@@ -182,6 +202,13 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
     * a 2-D integer tensor [B, len(feature_names)], one id per (sample, feature), columns in `feature_names`
       order -> dict {key: pooled [B, dim]}.
 
+    Cache sizes: `cache_rows` (rows per group cache), `cache_ratio` (of the group's rows), `cache_rows={table:
+    rows}` (a group's cache holds its tables' rows summed), or `cache_rows="auto"` with `budget_bytes=` (device
+    bytes for all caches: an int or "8GiB") and `sample=` (an iterable of input batches, as forward takes them):
+    the budget is split over the tables from the sample's miss-ratio curves under `policy` (`cachedemb.sizing`;
+    `sizing={...}` passes options such as `depth`/`horizon` for "lookahead"); `sizing_plan` then holds the
+    plan: rows, predicted hit rates and PCIe bytes per step, per table and per group cache.
+
     Ids must be in [0, num_embeddings) of their table, unless `hash_ids=True`, which maps every id to
     `id % num_embeddings` (torch ops on the ids' device). `id_freq` (per-table access counts, a list aligned
     with `tables` or a dict by table name) seeds the cache's frequency policy and warm-up. `dynamic`
@@ -199,16 +226,22 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
     """
 
     def __init__(self, tables: Sequence, is_weighted: bool = False, device=None, *, cache_ratio: float = 0.01,
-                 cache_rows: int | None = None, optimizer: SparseOptimizer | None = None, id_freq=None,
-                 warmup_ratio: float = 0.7, policy: str | Policy = "lfu", hash_ids: bool = False,
+                 cache_rows: int | str | Mapping[str, int] | None = None, optimizer: SparseOptimizer | None = None,
+                 id_freq=None, warmup_ratio: float = 0.7, policy: str | Policy = "lfu", hash_ids: bool = False,
                  validate_inputs: bool = True, dynamic: Mapping[str, DynamicIds] | None = None,
-                 count_in_eval: bool = False):
+                 count_in_eval: bool = False, budget_bytes: int | str | None = None, sample=None,
+                 sizing: Mapping | None = None, storage: FileStorage | None = None):
         super().__init__()
+        if storage is not None and not isinstance(storage, FileStorage):
+            raise TypeError(f"storage must be a cachedemb.FileStorage (a directory for the tables' files), got "
+                            f"{type(storage).__name__}")
+        self.storage = storage
         self._configs = list(tables)
         self.tables: list[TableConfig] = self._check_tables(self._configs, dynamic)
         self.hash_ids, self.is_weighted_, self.validate_inputs = bool(hash_ids), bool(is_weighted), validate_inputs
-        self._bag_kwargs = dict(cache_ratio=cache_ratio, cache_rows=cache_rows, optimizer=optimizer,
-                                warmup_ratio=warmup_ratio, policy=policy)
+        per_table = cache_rows == "auto" or isinstance(cache_rows, Mapping)
+        self._bag_kwargs = dict(cache_ratio=cache_ratio, cache_rows=None if per_table else cache_rows,
+                                optimizer=optimizer, warmup_ratio=warmup_ratio, policy=policy)
         self.count_in_eval = bool(count_in_eval)  # plain tables only: dynamic tables' eval forwards are read-only
         self._freqs = self._check_id_freq(id_freq)
         shared = Counter(f for t in self.tables for f in t.feature_names)
@@ -219,6 +252,9 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         self._feature_index = {f: i for i, f in enumerate(self.feature_names)}
         self._dims = [self.tables[lk.table].embedding_dim for lk in self._lookups]
         self._plan_groups()
+        # {table: rows} (cache_rows={...} or "auto"): a group's cache holds its tables' rows summed
+        self._rows_by_table, self.sizing_plan = cache_budget.table_cache_rows(self, cache_rows, budget_bytes,
+                                                                              sample, sizing)
         self.bags = nn.ModuleList()
         self.embedding_bags = nn.ModuleDict({t.name: _TableView(self, i) for i, t in enumerate(self.tables)})
         self._pending_load: dict[int, int | None] = {}  # group -> loaded optimizer step (None: weights only)
@@ -279,7 +315,8 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
     def _plan_groups(self) -> None:
         members: dict[tuple, list[int]] = {}
         for i, t in enumerate(self.tables):
-            key = (t.embedding_dim, t.pooling, t.dtype) + ((i,) if t.dynamic is not None else ())
+            alone = t.dynamic is not None or self.storage is not None
+            key = (t.embedding_dim, t.pooling, t.dtype) + ((i,) if alone else ())
             members.setdefault(key, []).append(i)
         self._groups: list[_Group] = []
         self._table_group: dict[int, tuple[int, int]] = {}  # table -> (group, row offset)
@@ -292,8 +329,16 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
             lookups = tuple(k for k, lk in enumerate(self._lookups) if lk.table in tables)
             for j, k in enumerate(lookups):
                 self._lookup_slot[k] = (g, j)
+            dynamic = self.tables[tables[0]].dynamic
             self._groups.append(_Group(dim, pooling, dtype, tuple(tables), tuple(offsets[:-1]), offsets[-1],
-                                       lookups, self.tables[tables[0]].dynamic))
+                                       lookups, dynamic, self.storage is not None and dynamic is None))
+
+    def _group_bag_kwargs(self, group: _Group) -> dict:
+        """The group module's cache and optimizer arguments: per-table rows summed when they were given."""
+        if self._rows_by_table is None:
+            return self._bag_kwargs
+        rows = sum(self._rows_by_table[self.tables[i].name] for i in group.tables)
+        return {**self._bag_kwargs, "cache_rows": max(1, min(rows, group.rows))}
 
     @staticmethod
     def _resolve_device(device) -> torch.device:
@@ -309,35 +354,81 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
     def _materialize(self, device: torch.device, initialize: bool) -> None:
         """Allocate the host tables and caches on `device`: initialized as torchrec, or zeroed (to_empty)."""
         with torch.device("cpu"):  # host tables and module scalars, whatever default device the caller set
-            # Dynamic tables have no host table here: their slab rows are created per id on admission.
-            hosts = [pinned_empty((g.rows, g.dim), g.dtype) if g.dynamic is None else None for g in self._groups]
+            # Dynamic tables have no host table here (slab rows are created per id on admission), tables on file
+            # none either (their rows stream into the file).
+            hosts = [pinned_empty((g.rows, g.dim), g.dtype) if g.dynamic is None and not g.stored else None
+                     for g in self._groups]
             fixed = [i for i, t in enumerate(self.tables) if t.dynamic is None]
+            stored = {}
             if initialize:
                 for i in fixed:  # nn.EmbeddingBag's own init, as torchrec's EBC draws it
                     g, lo = self._table_group[i]
-                    hosts[g][lo:lo + self.tables[i].num_embeddings].normal_()
+                    if self._groups[g].stored:  # drawn and dropped: the init_fn overwrites it
+                        for _ in iter_init_chunks(TableInit.normal(), self.tables[i].num_embeddings *
+                                                  self.tables[i].embedding_dim, self.tables[i].dtype):
+                            pass
+                    else:
+                        hosts[g][lo:lo + self.tables[i].num_embeddings].normal_()
                 for i in fixed:
                     g, lo = self._table_group[i]
-                    self.tables[i].initialize(hosts[g][lo:lo + self.tables[i].num_embeddings])
+                    if self._groups[g].stored:  # the init_fn's draws stream into the file, in table order
+                        stored[g] = self._file_bag(g, device)
+                    else:
+                        self.tables[i].initialize(hosts[g][lo:lo + self.tables[i].num_embeddings])
             else:
                 for host in hosts:
                     if host is not None:
                         host.zero_()
             bags = nn.ModuleList()
-            for group, host in zip(self._groups, hosts):
+            for g, (group, host) in enumerate(zip(self._groups, hosts)):
+                if group.stored:
+                    bags.append(stored[g] if g in stored else self._file_bag(g, device))
+                    continue
                 if group.dynamic is not None:
                     bags.append(_DynamicGroupBag(None, group.dim, mode=group.pooling, include_last_offset=True,
                                                     dtype=group.dtype, device=device, dynamic=group.dynamic,
-                                                    validate_inputs=False, **self._bag_kwargs))
+                                                    validate_inputs=False, **self._group_bag_kwargs(group)))
                     continue
                 freq = torch.cat([self._freqs[i] for i in group.tables]) if self._freqs is not None else None
                 bag = _GroupBag(group.rows, group.dim, mode=group.pooling, include_last_offset=True, _weight=host,
                                 dtype=group.dtype, device=device, id_freq=freq, validate_inputs=False,
-                                count_in_eval=self.count_in_eval, **self._bag_kwargs)
+                                count_in_eval=self.count_in_eval, **self._group_bag_kwargs(group))
                 bag.cache.set_tables(list(group.row_offsets))
                 bags.append(bag)
         self.bags = bags
         self._dense_index = {}
+
+    def _file_bag(self, g: int, device) -> FileBackedEmbeddingBag:
+        """Group g's table on file: `<storage dir>/<table>.cemb` (created with the table's init_fn, or opened),
+        with its share of the host cache bytes."""
+        group = self._groups[g]
+        (i,) = group.tables
+        table = self.tables[i]
+        directory = Path(self.storage.path)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"storage directory {str(directory)!r} of the collection's table files does "
+                                    "not exist; create it first")
+        weight = [t.num_embeddings * t.embedding_dim for t in self.tables if t.dynamic is None]
+        share = max(_MIN_TABLE_HOST_BYTES,
+                    self.storage.host_cache_bytes * table.num_embeddings * table.embedding_dim // sum(weight))
+        init = table.table_init()
+        if not init.elementwise:
+            raise ValueError(f"table {table.name!r} on file: its init_fn cannot be streamed into the file (it must "
+                             "draw element by element, as torchrec's default uniform_ does); drop init_fn, or "
+                             "write the rows with CachedEmbeddingBag.from_pretrained(rows, storage=...)")
+        storage = replace(self.storage, path=directory / f"{table.name}.cemb", host_cache_bytes=share)
+        freq = self._freqs[i] if self._freqs is not None and bool(self._freqs[i].any()) else None
+        path_exists = storage.path.exists()
+        return _FileGroupBag(group.rows, group.dim, mode=group.pooling, include_last_offset=True, dtype=group.dtype,
+                             device=device, validate_inputs=False, count_in_eval=self.count_in_eval,
+                             storage=storage, _init=init, id_freq=None if path_exists else freq,
+                             **self._group_bag_kwargs(self._groups[g]))
+
+    def close(self) -> None:
+        """Commit and close the tables' files (storage=); nothing for tables in memory."""
+        for bag in self.bags:
+            if isinstance(bag, FileBackedEmbeddingBag):
+                bag.close()
 
     def _apply(self, fn, recurse=True):
         """`.to(device)` / `to_empty(device=...)`: moves the caches (the host tables stay on the host); from
@@ -383,6 +474,9 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
             return
         self.adopt_rebound_tables()
         for i, t in enumerate(self.tables):
+            if self._groups[self._table_group[i][0]].stored:
+                raise ValueError(f"table {t.name!r} is on file: reset_parameters() would rewrite the whole file; "
+                                 "start a new file (a new storage directory) for fresh tables")
             if t.dynamic is None:  # a dynamic table's rows are initial_rows(seed, id), made on admission
                 t.initialize(self._table_rows(i))
 
@@ -412,7 +506,12 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
             self.adopt_rebound_tables()
             with torch.no_grad():
                 for i, t in enumerate(self.tables):
-                    ebc.embedding_bags[t.name].weight.copy_(self._host_rows(i))
+                    bag = self.bags[self._table_group[i][0]]
+                    if isinstance(bag, FileBackedEmbeddingBag):  # streamed from the file, chunk by chunk
+                        for start, rows, _, _ in bag.iter_rows():
+                            ebc.embedding_bags[t.name].weight[start:start + rows.shape[0]].copy_(rows)
+                    else:
+                        ebc.embedding_bags[t.name].weight.copy_(self._host_rows(i))
         return ebc
 
     # ----------------------------------------------------------------- forward
@@ -523,7 +622,8 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         _, inputs = self._group_inputs(features, jagged)
         targets = []
         for bag, (ids, _, _) in zip(self.bags, inputs):
-            targets.extend(bag.prefetch_targets(ids) if isinstance(bag, DynamicEmbeddingBag) else [(bag.cache, ids)])
+            wraps = isinstance(bag, (DynamicEmbeddingBag, FileBackedEmbeddingBag))  # a layer in front of the cache
+            targets.extend(bag.prefetch_targets(ids) if wraps else [(bag.cache, ids)])
         return targets
 
     # ----------------------------------------------------------------- cache and tables
@@ -532,9 +632,10 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         total: dict = {"seconds": {}}
         for bag in self.bags:
             for k, v in bag.cache_stats().items():
-                if k == "seconds":
-                    for op, sec in v.items():
-                        total["seconds"][op] = total["seconds"].get(op, 0.0) + sec
+                if isinstance(v, dict):  # seconds; host_cache and file of tables on file
+                    part = total.setdefault(k, {})
+                    for op, x in v.items():
+                        part[op] = part.get(op, 0) + x
                 else:
                     total[k] = total.get(k, 0) + v
         return total
@@ -559,6 +660,9 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         """Table i's rows as a view of its group's `weight` (fetched now: cached updates written back, and the
         next forward re-reads the cache), or a meta tensor before materialization."""
         t = self.tables[i]
+        if self._groups[self._table_group[i][0]].stored:
+            raise ValueError(f"table {t.name!r} is on file ({str(self.storage.path)!r}): it has no weight in "
+                             "memory; read it with collection.bags[...].iter_rows() or to_embedding_bag_collection()")
         if t.dynamic is not None:
             raise ValueError(f"table {t.name!r} has dynamic (raw int64) ids: it has no dense weight; read it with "
                              f"state_dict() (keyed by id) or collection.bags[{self._table_group[i][0]}]"
@@ -573,7 +677,7 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         """Adopt a group's weight rebound behind its back (`p.data = t` over `parameters()`): see
         CachedEmbeddingBag.adopt_rebound_table. O(groups), no device sync."""
         for bag in self.bags:
-            if not isinstance(bag, DynamicEmbeddingBag):
+            if isinstance(bag, CachedEmbeddingBag):
                 bag.adopt_rebound_table()
 
     def _adopt_table_rows(self, i: int, value) -> None:
@@ -617,6 +721,11 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
                 DynamicEmbeddingBag._save_to_state_dict(self.bags[self._table_group[i][0]], destination, prefix,
                                                         False)
             return
+        if self._groups[self._table_group[i][0]].stored:  # a snapshot descriptor (see cachedemb.storage)
+            if self.bags:
+                FileBackedEmbeddingBag._save_to_state_dict(self.bags[self._table_group[i][0]], destination,
+                                                           prefix, False)
+            return
         if not self.bags:
             destination[prefix + "weight"] = self._table_rows(i)
             return
@@ -635,6 +744,12 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
             if self.bags:
                 DynamicEmbeddingBag._load_from_state_dict(self.bags[self._table_group[i][0]], state_dict, prefix,
                                                           {}, True, missing_keys, unexpected_keys, error_msgs)
+            return
+        if self._groups[self._table_group[i][0]].stored:
+            if self.bags:
+                FileBackedEmbeddingBag._load_from_state_dict(self.bags[self._table_group[i][0]], state_dict,
+                                                             prefix, {}, True, missing_keys, unexpected_keys,
+                                                             error_msgs)
             return
         if self.bags:
             self.adopt_rebound_tables()

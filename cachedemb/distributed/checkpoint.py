@@ -15,6 +15,7 @@ owns now.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
@@ -169,10 +170,19 @@ def load_plan(path: str) -> ShardingPlan:
         return ShardingPlan.from_dict(json.load(f))
 
 
+def _load_in_this_process(state: dict, path: str) -> None:
+    """dcp.load by this process alone, a process group or not. torch < 2.6's dcp.load has no `no_dist` (it infers
+    it from whether a process group exists); its load_state_dict takes it."""
+    if "no_dist" in inspect.signature(dcp.load).parameters:
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    else:
+        dcp.load_state_dict(state, dcp.FileSystemReader(path), no_dist=True)
+
+
 def load_into_unsharded(model: nn.Module, path: str) -> None:
     """Load a sharded checkpoint into a single-process model (cached modules unsharded): no process group."""
     state = model.state_dict()
     _size_dynamic_entries(state, model, path)
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+    _load_in_this_process(state, path)
     _sort_dynamic_entries(state, model)
     model.load_state_dict(state)

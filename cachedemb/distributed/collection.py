@@ -35,7 +35,8 @@ def _table_module(collection: CachedEmbeddingBagCollection, index: int) -> Cache
     if not collection.bags:
         kw = collection._bag_kwargs
         group_capacity = CachedEmbeddingBag.cache_capacity(collection._groups[g].rows, kw["cache_ratio"],
-                                                           kw["cache_rows"])
+                                                           collection._group_bag_kwargs(collection._groups[g])[
+                                                               "cache_rows"])
         module = CachedEmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling, device="meta",
                                     dtype=t.dtype, cache_rows=min(t.num_embeddings, group_capacity),
                                     optimizer=kw["optimizer"], warmup_ratio=0.0, _init=t.table_init())

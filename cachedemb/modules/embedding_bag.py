@@ -10,7 +10,7 @@ from torch import nn
 
 from cachedemb import kernels
 from cachedemb.cache.embedding_cache import BatchPlan, EmbeddingCache, pinned_empty, state_dtype
-from cachedemb.modules.factory import build_dynamic
+from cachedemb.modules.factory import build_dynamic, build_storage
 from cachedemb.modules.errors import (
     InvalidPaddingIdxError,
     InvalidWeightDtypeError,
@@ -24,15 +24,24 @@ from cachedemb.optim import SparseOptimizer
 from cachedemb.cache.policy import Policy
 
 _STEP_KEY = "optimizer.step"
-# Tensors over the table's memory that the module itself holds: the Parameter, the cache's `.data` alias, and
-# the storage object that `_storage_users` makes to ask.
-_OWN_STORAGE_USERS = 3
 _TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _storage_users(table: torch.Tensor) -> int:
     """How many tensors (and storage objects) share the table's memory."""
     return torch._C._storage_Use_Count(table.untyped_storage()._cdata)
+
+
+def _own_storage_users() -> int:
+    """What `_storage_users` counts for the tensors over the table's memory that the module itself holds: the
+    Parameter and the cache's `.data` alias, plus the storage object made to ask where torch counts it (3 on
+    torch 2.13 / 2.15, 2 on torch 2.5). Measured once, on a tensor of the same shape of holders."""
+    table = nn.Parameter(torch.zeros(1))
+    alias = table.data  # noqa: F841 -- held while counting, as the cache holds its alias
+    return _storage_users(table)
+
+
+_OWN_STORAGE_USERS = _own_storage_users()
 
 
 def _refuse_unsharded_world() -> None:
@@ -160,11 +169,16 @@ class CachedEmbeddingBag(nn.Module):
         torch.Size([2, 3])
     """
 
-    def __new__(cls, *args, dynamic=None, **kwargs):
+    def __new__(cls, *args, dynamic=None, storage=None, **kwargs):
         # CachedEmbeddingBag(None, dim, ..., dynamic=DynamicIds(...)) builds the raw-id module cachedemb.dynamic
-        # registers (modules/factory.py): not an instance of cls, so Python skips __init__.
+        # registers (modules/factory.py), and CachedEmbeddingBag(..., storage=FileStorage(...)) the file-backed
+        # one of cachedemb.storage: not instances of cls, so Python skips __init__.
         if dynamic is not None:
+            if storage is not None:
+                raise ValueError("dynamic= and storage= cannot be combined: a raw-id table's slab is not on file")
             return build_dynamic(*args, dynamic=dynamic, **kwargs)
+        if storage is not None:
+            return build_storage(*args, storage=storage, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,
@@ -173,7 +187,7 @@ class CachedEmbeddingBag(nn.Module):
                  padding_idx: int | None = None, device=None, dtype=None, *, _freeze: bool = False, cache_ratio: float = 0.01, cache_rows: int | None = None, optimizer: SparseOptimizer | None = None,
                  id_freq: torch.Tensor | None = None, warmup_ratio: float = 0.7, policy: str | Policy = "lfu",
                  validate_inputs: bool = True, stats_history: int = 0, freq_halflife: int | None = None,
-                 count_in_eval: bool = False, dynamic=None, _init: TableInit | None = None):
+                 count_in_eval: bool = False, dynamic=None, storage=None, _init: TableInit | None = None):
         super().__init__()
         num_embeddings = size_arg("num_embeddings", num_embeddings)
         embedding_dim = size_arg("embedding_dim", embedding_dim)
@@ -385,6 +399,8 @@ class CachedEmbeddingBag(nn.Module):
         through `.data` move no version counter, so while such a holder lives every forward re-reads its rows
         from the host and (fused) every step writes its rows straight back (`_watched`): O(batch), no write can
         be lost. Counted from reference counts: a host-side check, no device sync."""
+        if getattr(self, "_private_table", False):  # a slab owned by a layer in front (cachedemb.storage), whose
+            return False  # I/O threads touch it concurrently: nothing outside can hold it
         own_refs = 3 if self.optimizer is None else 2  # __dict__ (+ _parameters) + getrefcount's argument
         table = self.__dict__["_table"]
         shared = sys.getrefcount(table) > own_refs + 1 or _storage_users(table) > _OWN_STORAGE_USERS
@@ -621,6 +637,15 @@ class CachedEmbeddingBag(nn.Module):
         if not self.is_meta and self.cache.host_weight.data_ptr() != table.data_ptr():
             self.cache.host_weight = table.data
         self._handed_out, self._seen_version = False, table._version
+
+    def _resize_rows(self, num_rows: int) -> None:
+        """Make the host table `num_rows` rows, the first ones kept (cachedemb.storage's transient staging
+        rows for a batch larger than its host cache). Resident rows must lie below `num_rows`."""
+        self.cache.resize_host(num_rows)
+        self.num_embeddings = num_rows
+        self._table.data = self.cache.host_weight
+        self.cache.host_weight = self._table.data  # the cache's own alias (see _build)
+        self._seen_version = self._table._version
 
     def flush(self) -> None:
         """Write every dirty cached row (and its optimizer state) back to the host table."""

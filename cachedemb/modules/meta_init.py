@@ -102,6 +102,23 @@ def init_rows(init: TableInit, num_rows: int, dim: int, dtype: torch.dtype, star
     return out
 
 
+def iter_init_chunks(init: TableInit, total: int, dtype: torch.dtype, chunk: int = CHUNK_ELEMENTS // 16):
+    """An elementwise init of a flattened table of `total` elements, drawn chunk by chunk exactly as one
+    whole-table fill draws it (memory O(chunk); `chunk` a multiple of 16): for tables streamed to a file."""
+    if chunk % _BLOCK:
+        raise ValueError(f"init chunks must be a multiple of {_BLOCK} elements, got {chunk}")
+    i = 0
+    with torch.no_grad():
+        while i < total:
+            j = min(total, i + chunk)
+            if total - j < _BLOCK:
+                j = total
+            buf = torch.empty(j - i, dtype=dtype)
+            init.fill(buf)
+            yield buf
+            i = j
+
+
 def _replay_elementwise(init: TableInit, total: int, dtype, lo: int, hi: int, flat_out: torch.Tensor) -> None:
     scratch = None
     i = 0
@@ -123,4 +140,4 @@ def _replay_elementwise(init: TableInit, total: int, dtype, lo: int, hi: int, fl
             i = j
 
 
-__all__ = ["CHUNK_ELEMENTS", "MetaTable", "TableInit", "init_rows", "probe_apply"]
+__all__ = ["CHUNK_ELEMENTS", "MetaTable", "TableInit", "init_rows", "iter_init_chunks", "probe_apply"]

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 import cachedemb
-from cachedemb import optim
+from cachedemb import optim, sizing
 
 from .configs import DATA_PRESET, INTERACTIONS, RunPreset, get_preset
 from .data import (PreprocessedSplit, load_id_freq, load_metadata, preprocess_avazu, preprocess_criteo_1tb,
@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "default ./data/synthetic)")
     p.add_argument("--synthetic-rows", type=int, default=None)
     p.add_argument("--cache-ratio", type=float, default=None)
+    p.add_argument("--cache-budget", default=None,
+                   help="device bytes for all caches (e.g. 8GiB): rows per table from the train split's miss-ratio "
+                        "curves (cachedemb.sizing) instead of --cache-ratio")
     p.add_argument("--prefetch-depth", type=int, default=0, help="batches to prefetch ahead (0 = off)")
     p.add_argument("--prefetch-horizon", type=int, default=None)
     p.add_argument("--optimizer", choices=sorted(SPARSE_OPTIMIZERS), default=None, help="embedding optimizer")
@@ -81,6 +84,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0 = off)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir/latest.pt")
+    p.add_argument("--table-dir", default=None,
+                   help="keep the embedding tables in files here (cachedemb.FileStorage: tables larger than host "
+                        "memory); with --resume the files continue from the checkpoint's snapshots")
+    p.add_argument("--host-cache-mb", type=int, default=1024,
+                   help="with --table-dir: host memory for cached rows of all tables together (MiB)")
     p.add_argument("--stop-after-steps", type=int, default=None, help=argparse.SUPPRESS)  # simulates a crash
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=None, help="preprocessing processes (default: all cores)")
@@ -97,6 +105,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.cache_ratio <= 1:
         raise ValueError(f"--cache-ratio must be in (0, 1], got {args.cache_ratio}")
+    if args.cache_budget is not None:
+        args.cache_budget = sizing.parse_bytes(args.cache_budget)
+    if args.table_dir is not None:
+        if args.host_cache_mb < 1:
+            raise ValueError(f"--host-cache-mb must be >= 1, got {args.host_cache_mb}")
+        existing = sorted(Path(args.table_dir).glob("*.cemb")) if Path(args.table_dir).is_dir() else []
+        if existing and not args.resume:
+            raise ValueError(f"--table-dir {args.table_dir!r} already holds table files ({existing[0].name}, ...): "
+                             "continue them with --resume, or give an empty directory")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise ValueError("--checkpoint-every/--resume need --checkpoint-dir")
     args.lr_schedule = LRSchedule(args.lr_warmup_steps, args.lr_decay_start, args.lr_decay_steps)
@@ -215,8 +232,22 @@ def build(args, preset: RunPreset, meta: dict, data_dir: Path):
     sparse_arch = (cachedemb.CachedEmbeddingBagCollection(config.tables(), cache_ratio=args.cache_ratio,
                                                           optimizer=sparse_opt, id_freq=id_freq, device="meta")
                    if distributed else None)
+    sized = {}
+    if args.cache_budget is not None:
+        args.sizing_plan = size_caches(args, config, sparse_opt, data_dir)
+        sized = {"cache_rows": args.sizing_plan.cache_rows}
+    storage = {}
+    if args.table_dir is not None:
+        if distributed:
+            raise ValueError("--table-dir with a sharded (torchrun) run is not supported yet: each rank would need "
+                             "the file of its own shard; run one process, or keep the tables in memory")
+        Path(args.table_dir).mkdir(parents=True, exist_ok=True)
+        # On --resume the previous run may have died with the files open: its last snapshots are intact and
+        # the checkpoint names the one to continue from.
+        storage["storage"] = cachedemb.FileStorage(args.table_dir, host_cache_bytes=args.host_cache_mb << 20,
+                                                   recover=bool(args.resume))
     model = DLRM(config, cache_ratio=args.cache_ratio, optimizer=sparse_opt, id_freq=id_freq,
-                 device=torch.device(args.device), sparse_arch=sparse_arch)
+                 device=torch.device(args.device), sparse_arch=sparse_arch, **sized, **storage)
     if distributed:
         from cachedemb.distributed import shard
 
@@ -224,6 +255,23 @@ def build(args, preset: RunPreset, meta: dict, data_dir: Path):
     dense_cls = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[args.dense_optimizer]
     dense_opt = dense_cls(_dense_parameters(model), lr=args.dense_lr)
     return model, dense_opt
+
+
+def size_caches(args, config: DLRMConfig, sparse_opt, data_dir: Path) -> sizing.SizingPlan:
+    """--cache-budget: rows per table from the first epoch's training batches, in training order, under the
+    policy the run uses (LFU warm-started from the train counts; the look-ahead policy with --prefetch-depth)."""
+    if getattr(args, "world", 1) > 1:
+        raise ValueError("--cache-budget sizes one process's caches; under torchrun use --cache-ratio")
+    depth = args.prefetch_depth
+    horizon = args.prefetch_horizon if args.prefetch_horizon is not None else depth
+    plan = sizing.plan(str(data_dir), args.cache_budget, config.tables(), optimizer=sparse_opt,
+                       policy="lookahead" if depth > 0 else "lfu", depth=max(depth, 1), horizon=max(horizon, 1),
+                       overlap=args.device.startswith("cuda"),  # cachedemb.prefetch's default
+                       batch_size=args.batch_size, limit_batches=args.limit_batches, shuffle=True, seed=args.seed,
+                       epoch=0, id_freq="auto")
+    if not args.quiet and getattr(args, "rank", 0) == 0:
+        print(plan.format_table(), flush=True)
+    return plan
 
 
 def _dense_parameters(model) -> list:
@@ -525,6 +573,14 @@ def _run(args, preset: RunPreset) -> dict:
     meta = load_metadata(data_dir)
     train_split, val_split = PreprocessedSplit(data_dir, "train"), PreprocessedSplit(data_dir, "val")
     model, dense_opt = build(args, preset, meta, data_dir)
+    try:
+        return _train_and_evaluate(args, model, dense_opt, train_split, val_split)
+    finally:
+        if args.table_dir is not None:
+            _inner(model).sparse_arch.close()  # commits the tables' files and releases them
+
+
+def _train_and_evaluate(args, model, dense_opt, train_split, val_split) -> dict:
     position = {"epoch": 0, "batch": 0, "step": 0}
     if args.resume:
         position = resume(Path(args.checkpoint_dir), model, dense_opt, args)
@@ -549,6 +605,14 @@ def _run(args, preset: RunPreset) -> dict:
         metrics.update(evaluate(model, val_split, args))
     metrics.update({"data": args.data, "cache_ratio": args.cache_ratio, "embedding_dim": args.embedding_dim,
                     "batch_size": args.batch_size, "device": args.device})
+    plan = getattr(args, "sizing_plan", None)
+    if plan is not None:  # --cache-budget: what the sizing predicted, beside what training measured
+        metrics.update({"cache_ratio": round(sum(plan.cache_rows.values()) / sum(t.spec.num_embeddings
+                                                                                  for t in plan.tables), 6),
+                        "cache_budget_bytes": plan.budget_bytes, "cache_budget_used": plan.budget_used,
+                        "cache_rows": [g.cache_rows for g in plan.groups],
+                        "predicted_cache_hit_rate": round(plan.hit_rate, 6),
+                        "predicted_pcie_bytes_per_step": round(plan.pcie_bytes_per_step, 1)})
     if not math.isnan(metrics["cache_hit_rate"]):
         metrics["cache_hit_rate"] = round(metrics["cache_hit_rate"], 6)
     if args.rank == 0:

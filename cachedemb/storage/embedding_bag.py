@@ -1,0 +1,509 @@
+"""FileBackedEmbeddingBag: nn.EmbeddingBag over a table on local disk, three tiers deep.
+
+```
+table ids [B] -> HostRowCache (host, O(batch) per step)      ids -> slab rows; misses read from the file
+              -> CachedEmbeddingBag over the slab             the device cache, kernels and fused optimizer as
+                                                              for any in-memory table
+file (TableFile): rows + optimizer state + access counts, copy-on-write snapshots
+```
+
+Built by `CachedEmbeddingBag(num_embeddings, dim, ..., optimizer=..., storage=FileStorage(path,
+host_cache_bytes=...))`. A new path is created and filled by streaming (nn.EmbeddingBag's N(0, 1) drawn in
+chunks, or `_weight` / `from_pretrained` rows copied in chunks); an existing file is opened and checked against
+the module's shape, dtype and optimizer, and training continues from its newest snapshot.
+
+Training equals in-memory training bit for bit: every row a batch reads is in the slab, with its optimizer state
+and count, before the inner module's forward, and the fused update runs on it there or in the device cache, as it
+would in memory. Under `cachedemb.prefetch` the mapping runs when a batch is read ahead (its misses are read
+from the file asynchronously and its rows are held until it is done); the window admission waits for the reads
+through the cache's `host_fence`. A read-ahead batch that finds no room pauses the read-ahead; its forward then
+maps it (and catches the queue up), as `cachedemb.dynamic` does.
+
+`state_dict()` commits a snapshot and returns a small descriptor (`storage.uuid`, `storage.snapshot`,
+`optimizer.step`), never the rows: `cachedemb.save_checkpoint(model.state_dict(), path)` is then crash-safe
+for the whole model (the file retains the snapshot the checkpoint names until two more commits), and
+`load_state_dict` rolls the file back to that snapshot. The rows themselves are exported by streaming:
+`iter_rows()`, `to_embedding_bag()`, `export_state_dict()`.
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid as uuid_lib
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from cachedemb.modules.embedding_bag import CachedEmbeddingBag
+from cachedemb.modules.errors import InvalidIdError, InvalidInputTypeError, NotATensorError
+from cachedemb.modules.factory import register_storage
+from cachedemb.modules.input_check import integer_arg, size_arg
+from cachedemb.modules.meta_init import TableInit, iter_init_chunks
+from cachedemb.kernels import id_index
+from cachedemb.optim import SparseOptimizer
+from cachedemb.storage.format import TableHeader, TableMismatchError, dtype_name
+from cachedemb.storage.host_cache import HostRowCache, distinct, slab_rows
+from cachedemb.storage.table_file import TableFile, iter_table_rows, open_table
+
+BLOCK_TARGET_BYTES = 256 << 10  # a chunk of rows (the copy-on-write unit) is about this size
+_TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class FileStorage:
+    """Keep the table (rows, optimizer state, access counts) in the file `path` on local disk, with at most
+    `host_cache_bytes` of it cached in host memory (pinned where CUDA exists).
+
+    recover: open a file whose last writer died at its last committed snapshot (else that raises
+    TableWriterDiedError). rows_per_block: rows per copy-on-write chunk (default ~256 KiB of records).
+    io_threads: reader threads. device_windows: under `cachedemb.prefetch`, also hand the read-ahead rows to the
+    device cache's windows (default: for a CUDA cache, where a window overlaps the host->device copies with
+    compute; on CPU the "device" cache is host memory and a window is extra copying, so only the file reads
+    run ahead)."""
+
+    path: str | os.PathLike
+    host_cache_bytes: int
+    recover: bool = False
+    rows_per_block: int | None = None
+    io_threads: int = 4
+    device_windows: bool | None = None
+
+    def __post_init__(self):
+        if isinstance(self.host_cache_bytes, bool) or not isinstance(self.host_cache_bytes, int) or \
+                self.host_cache_bytes <= 0:
+            raise ValueError(f"FileStorage.host_cache_bytes must be a positive int (bytes), got "
+                             f"{self.host_cache_bytes!r}")
+        rpb = self.rows_per_block
+        if rpb is not None and (isinstance(rpb, bool) or not isinstance(rpb, int) or rpb < 1):
+            raise ValueError(f"FileStorage.rows_per_block must be None or a positive int, got {rpb!r}")
+        if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1:
+            raise ValueError(f"FileStorage.io_threads must be a positive int, got {self.io_threads!r}")
+
+
+def state_columns(optimizer: SparseOptimizer | None, dim: int) -> tuple:
+    layout = optimizer.state_layout(dim) if optimizer is not None else {}
+    return tuple((name, int(cols), float(init)) for name, (cols, init) in layout.items())
+
+
+@register_storage  # CachedEmbeddingBag(..., storage=FileStorage(...)) builds this class
+class FileBackedEmbeddingBag(nn.Module):
+    """nn.EmbeddingBag over a table kept in a file (see the module docstring)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean",
+                 sparse: bool = False, _weight: torch.Tensor | None = None, include_last_offset: bool = False,
+                 padding_idx: int | None = None, device=None, dtype=None, *, storage: FileStorage,
+                 optimizer: SparseOptimizer | None = None, _freeze: bool = False, cache_ratio: float = 0.01,
+                 cache_rows: int | None = None, id_freq: torch.Tensor | None = None, warmup_ratio: float = 0.7,
+                 validate_inputs: bool = True, freq_halflife: int | None = None, count_in_eval: bool = False,
+                 _init: TableInit | None = None, **cache_kwargs):
+        super().__init__()
+        if not isinstance(storage, FileStorage):
+            raise TypeError(f"storage must be a cachedemb.FileStorage, got {type(storage).__name__}")
+        num_embeddings = size_arg("num_embeddings", num_embeddings)
+        embedding_dim = size_arg("embedding_dim", embedding_dim)
+        if num_embeddings == 0 or embedding_dim == 0:
+            raise ValueError(f"a file-backed table needs rows and columns, got {num_embeddings} x {embedding_dim}")
+        if optimizer is None and not _freeze:
+            raise ValueError("a file-backed table trains with a fused sparse optimizer (optimizer="
+                             "cachedemb.optim.SGD / Adagrad / RowWiseAdagrad / Adam(...)), got optimizer=None: a "
+                             "torch optimizer needs the whole table as a Parameter in memory. For inference "
+                             "use CachedEmbeddingBag.from_pretrained(..., freeze=True, storage=...)")
+        if optimizer is not None and not isinstance(optimizer, SparseOptimizer):
+            raise TypeError(f"optimizer must be a cachedemb.optim spec, got {type(optimizer).__name__}")
+        if freq_halflife is not None:
+            raise ValueError("freq_halflife is not supported with storage=: halving every count is a pass over "
+                             "the whole file; counts age only through eviction here")
+        dtype = dtype or (_weight.dtype if _weight is not None else torch.get_default_dtype())
+        if dtype not in _TABLE_DTYPES:
+            raise TypeError(f"dtype must be one of {', '.join(map(str, _TABLE_DTYPES))}, got {dtype}")
+        if device is not None and torch.device(device).type == "meta":
+            raise ValueError("a file-backed table cannot be built on the meta device: give a real device (the "
+                             "file holds the rows; nothing of the table is allocated in memory anyway)")
+        if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
+            raise ValueError(f"_weight must have shape ({num_embeddings}, {embedding_dim}), got "
+                             f"{tuple(_weight.shape)}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.mode, self.sparse, self.include_last_offset = mode, sparse, include_last_offset
+        self.max_norm, self.validate_inputs, self.count_in_eval = max_norm, validate_inputs, bool(count_in_eval)
+        if padding_idx is not None:
+            padding_idx = integer_arg("padding_idx", padding_idx)
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx must be within num_embeddings: [-{num_embeddings}, "
+                                 f"{num_embeddings}), got {padding_idx}")
+            padding_idx %= num_embeddings
+        self.padding_idx = padding_idx
+        self.optimizer = optimizer
+        self.storage = storage
+        header = TableHeader(num_embeddings, embedding_dim, dtype, state_columns(optimizer, embedding_dim),
+                             repr(optimizer) if optimizer is not None else "", 1, "", "", 0.0)
+        record = header.layout.record_bytes
+        rows = min(num_embeddings, slab_rows(storage.host_cache_bytes, record) - 1)  # and the padding row
+        if rows < 1:
+            raise ValueError(f"FileStorage.host_cache_bytes={storage.host_cache_bytes} holds no row of "
+                             f"{record} bytes with its bookkeeping and index")
+        if num_embeddings > id_index.MAX_ID:
+            raise ValueError(f"a table file holds ids < 2^33 (the host cache's index packs them), got "
+                             f"{num_embeddings} rows: shard the table")
+        self.table = self._open_or_create(storage, header, _weight, id_freq, padding_idx, _init)
+        # The inner module: row 0 is the padding row, rows 1.. the slab (host cache).
+        slab = torch.zeros(rows + 1, embedding_dim, dtype=dtype)
+        capacity = min(rows, CachedEmbeddingBag.cache_capacity(num_embeddings, cache_ratio, cache_rows))
+        inner = CachedEmbeddingBag(rows + 1, embedding_dim, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
+                                   slab, include_last_offset, 0 if padding_idx is not None else None, device, dtype,
+                                   _freeze=_freeze, optimizer=optimizer, cache_rows=capacity,
+                                   validate_inputs=validate_inputs, count_in_eval=count_in_eval, warmup_ratio=0.0,
+                                   **cache_kwargs)
+        del slab
+        inner._private_table = True  # the slab is never handed out; reader threads write its rows meanwhile
+        object.__setattr__(self, "inner", inner)  # not a child: the state is the file's
+        inner.optimizer_step = int(self.table.snapshots[self.table.newest_seq][0].meta.get("optimizer_step", 0))
+        self.host = HostRowCache(self.table, inner, rows, first=1)
+        inner.cache.host_fence = self.host.fence
+        self.seq = 0  # sequence number of the next training batch
+        self.ahead: deque = deque()  # read-ahead batches: [flat ids, distinct ids, rows or None, seq, inverse]
+        # Closed (flushed, committed, released) by close(), when the module is collected, or at exit.
+        self._finalizer = weakref.finalize(self, _close_table, inner, self.host, self.table)
+
+    # ----------------------------------------------------------------- the file
+    def _open_or_create(self, storage: FileStorage, header: TableHeader, weight, id_freq, padding_idx,
+                        init: TableInit | None) -> TableFile:
+        path = Path(storage.path)
+        if path.exists():
+            if weight is not None:
+                raise FileExistsError(f"table file {str(path)!r} exists: cachedemb never overwrites one with "
+                                      "_weight / from_pretrained rows; open it without rows, or give a new path")
+            if id_freq is not None:
+                raise ValueError(f"id_freq cannot seed the existing table file {str(path)!r}: its counts are in it")
+            return TableFile.open(path, writable=True, recover=storage.recover, expect=header,
+                                  io_threads=storage.io_threads)
+        record = header.layout.record_bytes
+        rpb = storage.rows_per_block or max(1, BLOCK_TARGET_BYTES // record)
+        how = "weight" if weight is not None else "normal"
+        header = TableHeader(header.num_rows, header.dim, header.dtype, header.state_cols, header.optimizer,
+                             rpb, uuid_lib.uuid4().hex, how, time.time())
+        init = init or TableInit.normal(padding_idx)
+        if weight is None and not init.elementwise:
+            raise ValueError("a file-backed table streams its initial rows: its init must draw element by "
+                             "element (normal_, uniform_); give other rows as _weight")
+        freq = None
+        if id_freq is not None:
+            freq = torch.as_tensor(id_freq)
+            if freq.shape != (header.num_rows,) or freq.is_floating_point() or bool((freq < 0).any()):
+                raise ValueError(f"id_freq must be non-negative integer counts of shape ({header.num_rows},)")
+        stream = iter_init_chunks(init, header.num_rows * header.dim, header.dtype) if weight is None else None
+        carry = [torch.empty(0, dtype=header.dtype)]
+
+        def fill(start, stop):
+            if weight is not None:
+                rows = weight[start:stop].detach().to(device="cpu", dtype=header.dtype)
+            else:  # the draws of one whole-table fill, consumed in order
+                need, parts = (stop - start) * header.dim, []
+                while need > 0:
+                    if carry[0].numel() == 0:
+                        carry[0] = next(stream)
+                    part, carry[0] = carry[0][:need], carry[0][need:]
+                    parts.append(part)
+                    need -= part.numel()
+                rows = torch.cat(parts).view(stop - start, header.dim)
+                if padding_idx is not None and start <= padding_idx < stop:
+                    rows[padding_idx - start].zero_()
+            states = {name: torch.full((stop - start, cols), value, dtype=header.layout.state_dtype)
+                      for name, cols, value in header.state_cols}
+            counts = freq[start:stop].to(torch.int64) if freq is not None else torch.zeros(stop - start,
+                                                                                           dtype=torch.int64)
+            return rows, states, counts
+
+        table = TableFile.create(path, header, fill, io_threads=storage.io_threads)
+        if stream is not None:
+            for _ in stream:  # a tail chunk not consumed (never, but the generator must end where a fill does)
+                pass
+        return table
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if not torch.is_tensor(input):
+            raise NotATensorError(f"input must be a torch.Tensor of int32/int64, got {type(input).__name__}")
+        if input.dtype not in (torch.int32, torch.int64):
+            raise InvalidInputTypeError(f"input must hold int32 or int64 values, got dtype {input.dtype}")
+        if self.table.closed:
+            raise RuntimeError(f"the table file {str(self.table.path)!r} of this module was closed")
+        flat = input.reshape(-1).to(device="cpu", dtype=torch.int64)
+        valid = (flat >= 0) & (flat < self.num_embeddings)
+        if self.validate_inputs and not bool(valid.all()):
+            i = int(torch.nonzero(~valid)[0])
+            raise InvalidIdError(f"input id {int(flat[i])} at position {i} is out of range: ids must be in [0, "
+                                 f"{self.num_embeddings}) (num_embeddings={self.num_embeddings})")
+        keep = valid if self.padding_idx is None else valid & (flat != self.padding_idx)
+        train = self.training and torch.is_grad_enabled()
+        rows_u, inverse = self._batch_rows(flat, keep, train)
+        self.host.maybe_resident[rows_u] = True
+        self.host.fence(rows_u)
+        writes = (train and self.optimizer is not None) or self.max_norm is not None or self.count_in_eval
+        if writes:
+            self.host.dirty[rows_u] = True
+        # Padding lookups read inner row 0 (the inner padding row); invalid ids (validate_inputs=False) an
+        # inner id out of range, which the inner module repairs and counts as it does for any table.
+        rows = torch.where(valid, torch.zeros_like(flat), torch.full_like(flat, self.inner.num_embeddings))
+        rows[keep] = torch.from_numpy(rows_u[inverse])
+        self.inner.training = self.training
+        self.table.prune()
+        return self.inner(rows.view(input.shape).to(input.device), offsets, per_sample_weights)
+
+    def _batch_rows(self, flat: torch.Tensor, keep: torch.Tensor, train: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(slab row of each distinct id, position of each kept lookup among them) of a forward: the rows read
+        ahead for it, else mapped now."""
+        host = self.host
+        if train and self.ahead:
+            entry = self.ahead[0]
+            if entry[0].shape == flat.shape and torch.equal(entry[0], flat):
+                self.ahead.popleft()
+                host.done_below = entry[3]
+                rows = entry[2] if entry[2] is not None else self._map_now(entry[1], entry[3])
+                self._catch_up()
+                return rows, entry[4]
+            self._drop_ahead(keep=0)  # not the batch read ahead: the read-ahead batches are abandoned
+        uniq, inverse = distinct(flat[keep])
+        if not train:
+            return host.map(uniq, None, grow=True), inverse
+        seq, self.seq = self.seq, self.seq + 1
+        host.done_below = seq
+        host.trim()
+        return self._map_now(uniq, seq), inverse
+
+    def _map_now(self, uniq: np.ndarray, seq: int) -> np.ndarray:
+        rows = self.host.map(uniq, seq, grow=False)
+        if rows is None:  # the read-ahead batches hold the rows this one needs: they give them up first
+            self._drop_ahead(keep=len(self.ahead))
+            rows = self.host.map(uniq, seq, grow=True)
+        return rows
+
+    def _drop_ahead(self, keep: int) -> None:
+        """Un-map the read-ahead batches (their rows no longer held); with keep > 0 they stay queued, to be
+        mapped again at their forward."""
+        host = self.host
+        host.fence()
+        released = False
+        for entry in self.ahead:
+            if entry[2] is not None:
+                entry[2] = None
+                released = True
+        if released:
+            host.row_step[host.row_step >= host.done_below] = host.done_below - 1
+        if not keep:
+            self.ahead.clear()
+
+    def _catch_up(self) -> None:
+        """Map queued read-ahead batches whose mapping paused, in order, while they fit."""
+        for entry in self.ahead:
+            if entry[2] is None:
+                rows = self.host.map(entry[1], entry[3], grow=False, limit=self.host.base)
+                if rows is not None:
+                    self.host.maybe_resident[rows] = True
+                if rows is None:
+                    return
+                entry[2] = rows
+
+    def prefetch_targets(self, batch) -> list:
+        """The prefetch stage (cachedemb.prefetch reads batches ahead in training order): a training-mode module
+        maps `batch` now (its misses read from the file in the background, its rows held until it is done) and
+        returns its slab rows for the device cache's window; else the rows its ids have now."""
+        if isinstance(batch, dict):
+            batch = batch["input"]
+        elif isinstance(batch, (tuple, list)):
+            batch = batch[0]
+        if not torch.is_tensor(batch):
+            raise TypeError(f"cannot find ids in a {type(batch).__name__}: give prefetch(ids=...)")
+        flat = batch.reshape(-1).to(device="cpu", dtype=torch.int64)
+        keep = (flat >= 0) & (flat < self.num_embeddings)
+        if self.padding_idx is not None:
+            keep &= flat != self.padding_idx
+        uniq, inverse = distinct(flat[keep])
+        rows, seq = None, self.seq
+        if self.training and torch.is_grad_enabled():
+            self.seq += 1
+            if all(entry[2] is not None for entry in self.ahead):
+                rows = self.host.map(uniq, seq, grow=False, limit=self.host.base)
+            self.ahead.append([flat, uniq, rows, seq, inverse])
+        if rows is None:
+            rows = self.host.find(uniq)
+        windows = self.storage.device_windows
+        if windows is None:
+            windows = self.inner.cache.device.type == "cuda"
+        if not windows:  # the file reads run ahead; the device cache is left to its per-batch path (no windows,
+            return []  # whose protection and next-use refresh would re-rank it every window)
+        # Staging rows (past the budget, transient) are never announced: the pipeline sized its look-ahead
+        # by the slab's rows when it started.
+        rows = rows[(rows >= 0) & (rows < self.host.base)]
+        self.host.announce(rows, seq)  # a window may admit them
+        return [(self.inner.cache, torch.from_numpy(np.sort(rows)).to(self.inner.cache.device))]
+
+    # ----------------------------------------------------------------- flush, snapshots, close
+    def flush(self) -> None:
+        """Write every updated row (device cache, then host cache) to the file (not yet a snapshot)."""
+        self.inner.flush()
+        self.host.flush()
+
+    def commit(self, **meta) -> int:
+        """Flush and commit a durable snapshot of the table (returns its number); see TableFile.commit."""
+        self.flush()
+        return self.table.commit(dict(meta, optimizer_step=self.inner.optimizer_step))
+
+    def rollback(self, seq: int) -> None:
+        """Make the file's retained snapshot `seq` the table again (rows written since are dropped)."""
+        if seq not in self.table.snapshots:
+            self.table.rollback(seq)  # raises, naming the snapshots kept
+        self.host.clear()
+        self.ahead.clear()
+        self.table.rollback(seq)
+        self.inner.optimizer_step = int(self.table.snapshots[seq][0].meta.get("optimizer_step", 0))
+
+    def close(self) -> None:
+        """Commit and close the file (also when the module is collected, or at interpreter exit): the next
+        opening continues from here."""
+        self._finalizer()
+
+    def __getstate__(self):
+        raise TypeError(f"a file-backed table (file {str(self.table.path)!r}) cannot be copied or pickled: its "
+                        "state is the file. Save state_dict() (a snapshot descriptor) with cachedemb.save_checkpoint, "
+                        "or export the rows (export_state_dict, to_embedding_bag)")
+
+    # ----------------------------------------------------------------- export by streaming
+    def iter_rows(self, chunk_rows: int = 1 << 16):
+        """(start, weight, {state: rows}, counts) over the whole table in id order, `chunk_rows` at a time
+        (current rows: flushed first)."""
+        self.flush()
+        yield from iter_table_rows(self.table, chunk_rows)
+
+    def to_embedding_bag(self, device=None) -> nn.EmbeddingBag:
+        """A plain nn.EmbeddingBag holding a copy of the table, filled chunk by chunk (it must fit in memory)."""
+        bag = nn.EmbeddingBag(self.num_embeddings, self.embedding_dim, mode=self.mode, sparse=self.sparse,
+                              include_last_offset=self.include_last_offset, padding_idx=self.padding_idx,
+                              dtype=self.inner.cache.dtype, device=device or "cpu")
+        with torch.no_grad():
+            for start, weight, _, _ in self.iter_rows():
+                bag.weight[start:start + weight.shape[0]].copy_(weight)
+        return bag
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """An in-memory module's state_dict (`weight`, `optimizer.<state>`, `optimizer.step`), filled chunk by
+        chunk into preallocated tensors (they must fit in memory; no second copy is made)."""
+        cache = self.inner.cache
+        out = {"weight": torch.empty(self.num_embeddings, self.embedding_dim, dtype=cache.dtype)}
+        for name, host in cache.host_states.items():
+            out[f"optimizer.{name}"] = torch.empty(self.num_embeddings, host.shape[1], dtype=host.dtype)
+        for start, weight, states, _ in self.iter_rows():
+            stop = start + weight.shape[0]
+            out["weight"][start:stop] = weight
+            for name, value in states.items():
+                out[f"optimizer.{name}"][start:stop] = value
+        if self.optimizer is not None:
+            out["optimizer.step"] = torch.tensor(self.inner.optimizer_step, dtype=torch.int64)
+        return out
+
+    def __getattr__(self, name: str):
+        if name != "weight":
+            return super().__getattr__(name)
+        raise AttributeError(f"a file-backed table (file {str(self.table.path)!r}) is not held in memory, so it "
+                             "has no `weight` tensor: read it with iter_rows(), to_embedding_bag() or "
+                             "export_state_dict()")
+
+    # ----------------------------------------------------------------- nn.Module
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """A snapshot descriptor, not the rows: a snapshot is committed and named (see the module docstring)."""
+        seq = self.commit()
+        destination[prefix + "storage.uuid"] = _uuid_tensor(self.table.header.uuid)
+        destination[prefix + "storage.snapshot"] = torch.tensor(seq, dtype=torch.int64)
+        destination[prefix + "optimizer.step"] = torch.tensor(self.inner.optimizer_step, dtype=torch.int64)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        keys = [prefix + k for k in ("storage.uuid", "storage.snapshot", "optimizer.step")]
+        missing = [k for k in keys if k not in state_dict]
+        if missing:
+            if prefix + "weight" in state_dict:
+                error_msgs.append(f"{prefix}weight: a file-backed table loads a snapshot descriptor "
+                                  "(storage.uuid, storage.snapshot), not rows; import rows into a new file with "
+                                  "CachedEmbeddingBag.from_pretrained(rows, storage=FileStorage(new_path, ...))")
+            missing_keys.extend(missing)
+            return
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in keys)
+        want = _uuid_of(state_dict[prefix + "storage.uuid"])
+        if want != self.table.header.uuid:
+            error_msgs.append(str(TableMismatchError(
+                f"table file {str(self.table.path)!r} is table {self.table.header.uuid}, but the state was saved "
+                f"from table {want} (another table's file)")))
+            return
+        seq = int(state_dict[prefix + "storage.snapshot"])
+        if seq not in self.table.snapshots:
+            error_msgs.append(f"table file {str(self.table.path)!r} no longer retains snapshot {seq} (it keeps "
+                              f"{sorted(self.table.snapshots)})")
+            return
+        self.rollback(seq)
+        self.inner.optimizer_step = int(state_dict[prefix + "optimizer.step"])
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.inner.train(mode)
+        return self
+
+    def _apply(self, fn, recurse=True):
+        probe = fn(torch.zeros(1, dtype=self.inner.cache.dtype, device=self.inner.cache.device))
+        if probe.dtype != self.inner.cache.dtype:
+            raise TypeError(f"a file-backed table keeps the dtype of its file ({self.inner.cache.dtype}); "
+                            f"convert by exporting its rows into a new file")
+        self.inner._apply(fn)
+        return self
+
+    def cache_stats(self) -> dict:
+        """The device cache's counters (CachedEmbeddingBag.cache_stats) plus `host_cache` (hits, misses,
+        evicted, written_back, staging_rows, host_bytes) and `file` (rows/bytes read and written, syscalls,
+        blocks copied on write, commits, file_bytes)."""
+        stats = self.inner.cache_stats()
+        stats["host_cache"] = dict(self.host.stats, rows=self.host.base - self.host.first,
+                                   host_bytes=self.host.host_bytes())
+        stats["file"] = dict(self.table.stats, file_bytes=self.table.file_bytes())
+        return stats
+
+    def reset_cache_stats(self) -> None:
+        self.inner.reset_cache_stats()
+        self.host.stats = dict.fromkeys(self.host.stats, 0)
+        self.table.stats = dict.fromkeys(self.table.stats, 0)
+
+    @property
+    def optimizer_step(self) -> int:
+        return self.inner.optimizer_step
+
+    @property
+    def cache(self):
+        """The device cache (over slab rows)."""
+        return self.inner.cache
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, file={str(self.table.path)!r}, "
+                f"host_rows={self.host.base - self.host.first}, cache_rows={self.inner.cache.capacity}, "
+                f"dtype={dtype_name(self.inner.cache.dtype)}")
+
+
+def _uuid_tensor(hex_uuid: str) -> torch.Tensor:
+    return torch.tensor(list(bytes.fromhex(hex_uuid)), dtype=torch.uint8)
+
+
+def _uuid_of(t: torch.Tensor) -> str:
+    return bytes(t.to(torch.uint8).tolist()).hex()
+
+
+def _close_table(inner: CachedEmbeddingBag, host: HostRowCache, table: TableFile) -> None:
+    """Flush the device and host caches into the file, commit, release it (once)."""
+    if table.closed:
+        return
+    inner.flush()
+    host.flush()
+    table.close({"optimizer_step": inner.optimizer_step, "closed": True})
+

@@ -1,0 +1,331 @@
+"""The pinned host cache of a file-backed table: table ids -> rows of a bounded slab, loaded from the file.
+
+The slab is the host table of the CachedEmbeddingBag that the file-backed module wraps, so the device cache
+below keeps seeing dense host rows (slab rows) and its kernels are unchanged. Per batch (O(its distinct ids)):
+
+    distinct ids -> RowIndex (exact, host) -> hits: their slab rows
+                 -> misses: free rows, else evict a batch of rows (LFU: lowest access count, then least recently
+                    used; never a row this batch or a batch read ahead still uses) -> read their records from the
+                    file into the slab (thread pool; asynchronous under prefetch, the window admission waits for
+                    them through `EmbeddingCache.host_fence`)
+
+Evicting a row first writes back a device-resident copy and empties its slot (`EmbeddingCache.drop_rows`),
+then, if the row was written since it was read, queues its record for the file (write-backs go out in batches
+on the writer thread; a row being written is read back only after its write lands). The LFU score is the
+row's access count, which travels with the row in its record, so it survives evictions.
+
+A batch with more distinct ids than the slab has rows still runs exactly: the slab grows by the missing rows
+for that batch (`CachedEmbeddingBag._resize_rows`, transient staging rows past the budget) and shrinks back at
+the next batch that does not need them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cachedemb import kernels
+from cachedemb.kernels import id_index
+from cachedemb.modules.embedding_bag import CachedEmbeddingBag
+from cachedemb.storage.table_file import IoTicket, TableFile
+
+EVICT_FRACTION = 16  # an eviction frees at least 1/16 of the slab, so its O(slab) ranking is amortized
+WRITE_ROWS = 1 << 14  # rows per write-back batch
+
+
+def distinct(ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(ascending distinct ids, position of each id among them) of a 1-D int64 host tensor."""
+    uniq, inverse = np.unique(ids.numpy(), return_inverse=True)
+    return uniq.astype(np.int64, copy=False), inverse.reshape(-1)
+
+
+BOOKKEEPING_BYTES = 18  # per slab row: its id, last batch, dirty and free flags
+
+
+def slab_rows(host_cache_bytes: int, record_bytes: int) -> int:
+    """The most slab rows whose records, bookkeeping and index fit in `host_cache_bytes`."""
+    best, size = 0, 16
+    while 8 * size < host_cache_bytes:
+        rows = min(size // 4, (host_cache_bytes - 8 * size) // (record_bytes + BOOKKEEPING_BYTES))  # RowIndex
+        best = max(best, rows)
+        size *= 2
+    return best
+
+
+class RowIndex:
+    """Exact table id -> slab row map on the host: the device cache's packed open addressing
+    (`kernels.id_index`, 8 B a position, a power of two >= 2x the rows), its tombstones cleared by an in-place
+    rebuild once 5/8 of the positions are used."""
+
+    def __init__(self, rows: int):
+        self.keys = id_index.new_index(2 * rows, "cpu")  # >= 4x the rows: a rebuild every few batches at most
+        self.used = 0
+        self.limit = self.keys.numel() * 5 // 8
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        q = torch.from_numpy(ids)
+        return kernels.index_lookup(self.keys, q, torch.tensor([q.numel()]), True).numpy()
+
+    def insert(self, ids: np.ndarray, rows: np.ndarray, live) -> None:
+        """Insert absent `ids` at `rows`; `live()` gives the other resident (ids, rows), for a rebuild."""
+        if self.used + ids.size > self.limit:
+            self.rebuild(*live())
+        q, r = torch.from_numpy(ids), torch.from_numpy(rows)
+        ok = kernels.index_insert(self.keys, q, r, torch.tensor([q.numel()]), True)
+        self.used += ids.size
+        if not bool(ok.all()):  # a probe ran past MAX_PROBE (rare): a table twice as large, laid out anew
+            others, at = live()
+            self.keys = torch.full((2 * self.keys.numel(),), id_index.EMPTY, dtype=torch.int64)
+            self.limit = self.keys.numel() * 5 // 8
+            self.rebuild(np.concatenate([others, ids]), np.concatenate([at, rows]))
+
+    def delete(self, ids: np.ndarray) -> None:
+        q = torch.from_numpy(ids)
+        kernels.index_delete(self.keys, q, q.numel(), True)
+
+    def rebuild(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        ok = id_index.index_build(self.keys, torch.from_numpy(ids), torch.from_numpy(rows))
+        if not bool(ok.all()):
+            self.keys = torch.full((2 * self.keys.numel(),), id_index.EMPTY, dtype=torch.int64)
+            self.limit = self.keys.numel() * 5 // 8
+            self.rebuild(ids, rows)
+            return
+        self.used = ids.size
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * 8
+
+
+class HostRowCache:
+    """Slab rows [first, first + rows) of `inner`'s host table, holding table rows from `table`."""
+
+    def __init__(self, table: TableFile, inner: CachedEmbeddingBag, rows: int, first: int):
+        self.table, self.inner = table, inner
+        self.layout = table.layout
+        self.first, self.base = first, first + rows
+        self.index = RowIndex(rows)
+        self._alloc_arrays(self.base)
+        self.free_mask[:first] = False
+        self.done_below = 0  # batches with a lower sequence number have run forward and backward
+        self.loads: list[IoTicket] = []  # loads not waited for, oldest first
+        self.load_serial = 0  # loads issued so far; row_load[r]: the one that fills row r
+        self.writes: list[tuple[np.ndarray, IoTicket]] = []
+        self.stats = dict.fromkeys(("hits", "misses", "evicted", "written_back", "staging_rows", "grown"), 0)
+
+    def _alloc_arrays(self, n: int) -> None:
+        self.row_load = np.zeros(n, dtype=np.int64)
+        self.maybe_resident = np.zeros(n, dtype=bool)  # handed to the device cache since its copy was dropped
+        self.announced = np.full(n, -1, dtype=np.int64)  # the last read-ahead batch whose window may admit it
+        self.row_id = np.full(n, -1, dtype=np.int64)
+        self.row_step = np.full(n, -1, dtype=np.int64)  # the last batch (sequence number) that reads the row
+        self.dirty = np.zeros(n, dtype=bool)
+        self.free_mask = np.ones(n, dtype=bool)
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_id.size
+
+    @property
+    def cache(self):
+        return self.inner.cache
+
+    # ----------------------------------------------------------------- mapping
+    def find(self, uniq: np.ndarray) -> np.ndarray:
+        """Slab row of each id, -1 where it is not in the host cache (read-only)."""
+        return self.index.lookup(uniq)
+
+    def _live(self):
+        rows = np.flatnonzero(self.row_id >= 0)
+        return self.row_id[rows], rows
+
+    def map(self, uniq: np.ndarray, seq: int | None, grow: bool, limit: int | None = None) -> np.ndarray | None:
+        """Slab rows for distinct ids `uniq` (missing ones allocated and read from the file, asynchronously);
+        rows are held for batch `seq` (None: this forward only). Without `grow`, None when the rows
+        (below `limit`) cannot all be found (nothing is then allocated)."""
+        rows = self.find(uniq)
+        miss = np.flatnonzero(rows < 0)
+        if miss.size:
+            limit = self.num_rows if limit is None else limit
+            short = miss.size - int(np.count_nonzero(self.free_mask[:limit]))
+            if short > 0:
+                self._evict(short, keep=rows[rows >= 0])
+                short = miss.size - int(np.count_nonzero(self.free_mask[:limit]))
+            if short > 0:
+                if not grow:
+                    return None
+                self._grow(short)
+            new = np.flatnonzero(self.free_mask[:limit if not grow else None])[: miss.size]
+            # A free row may still be device-resident: a prefetch window can admit rows read ahead before
+            # they were evicted. Its copy goes before the row takes another id.
+            self.drop_device_copies(new)
+            ids = uniq[miss]
+            self.index.insert(ids, new, self._live)
+            self.free_mask[new] = False
+            self.row_id[new] = ids
+            self.row_step[new] = -1
+            self.dirty[new] = False
+            self._load(ids, new)
+            rows[miss] = new
+        self.stats["hits"] += int(uniq.size - miss.size)
+        self.stats["misses"] += int(miss.size)
+        if seq is not None:
+            self.row_step[rows] = np.maximum(self.row_step[rows], seq)
+        return rows
+
+    def _load(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Read rows `ids` into slab `rows` on the pool (after any write of them still in flight)."""
+        for written, ticket in self.writes:
+            if not ticket.done() and np.isin(ids, written, assume_unique=True).any():
+                ticket.wait()
+        self.writes = [(w, t) for w, t in self.writes if not t.done()]
+        cache, layout = self.cache, self.layout
+        dest = torch.from_numpy(rows)
+
+        def land(records: torch.Tensor, order: torch.Tensor) -> None:  # on a reader thread, disjoint rows
+            at = dest.index_select(0, order)
+            cache.host_weight.index_copy_(0, at, layout.weight_view(records))
+            for name in cache.host_states:
+                cache.host_states[name].index_copy_(0, at, layout.state_view(records, name))
+            cache.host_freq.index_copy_(0, at, layout.count_view(records))
+
+        self.loads.append(self.table.read(ids, sink=land))
+        self.load_serial += 1
+        self.row_load[rows] = self.load_serial
+
+    def fence(self, rows=None) -> None:
+        """Wait until the rows being read into `rows` (default: every row) are in the slab: before the device
+        cache reads slab rows. Loads land in any order; this waits for every load up to the newest one that
+        fills one of `rows`."""
+        if rows is not None:
+            rows = rows.numpy() if torch.is_tensor(rows) else np.asarray(rows)
+            newest = int(self.row_load[rows].max()) if rows.size else 0
+            keep = self.load_serial - newest  # loads issued after it are not needed here
+        else:
+            keep = 0
+        if keep >= len(self.loads):
+            return
+        wait, self.loads = self.loads[: len(self.loads) - keep], self.loads[len(self.loads) - keep:]
+        for ticket in wait:
+            ticket.wait()
+
+    # ----------------------------------------------------------------- eviction and write-back
+    def _evict(self, need: int, keep: np.ndarray) -> None:
+        """Free at least `need` rows (a batch of them: at least 1/EVICT_FRACTION of the slab) among rows no
+        batch in flight holds and not in `keep`: lowest access count first, then least recently used."""
+        held = self.row_step >= self.done_below
+        cand_mask = (self.row_id >= 0) & ~held
+        cand_mask[keep] = False
+        cand = np.flatnonzero(cand_mask)
+        if cand.size == 0:
+            return
+        want = min(cand.size, max(need, (self.base - self.first) // EVICT_FRACTION))
+        freq = self.cache.host_freq.numpy()[cand]
+        key = (np.minimum(freq, (1 << 40) - 1) << 22) | np.clip(self.row_step[cand] + 1, 0, (1 << 22) - 1)
+        if want < cand.size:
+            cand = cand[np.argpartition(key, want - 1)[:want]]
+        self.evict_rows(cand)
+
+    def evict_rows(self, rows: np.ndarray) -> None:
+        """Drop these slab rows: device copies written back and emptied, dirty rows queued for the file."""
+        if rows.size == 0:
+            return
+        self.fence()  # a row still being read must land before it is written back or reused
+        cache = self.cache
+        self.drop_device_copies(rows)
+        if cache.device.type == "cuda":
+            torch.cuda.synchronize(cache.device)  # the write-backs above land in the slab before it is read
+        self.write_back(rows[self.dirty[rows]])
+        self.index.delete(self.row_id[rows])
+        self.row_id[rows] = -1
+        self.row_step[rows] = -1
+        self.free_mask[rows] = True
+        self.stats["evicted"] += int(rows.size)
+
+    def drop_device_copies(self, rows: np.ndarray) -> None:
+        """Write back and empty the device cache's copies of these slab rows (only rows handed to it since
+        their copies were last dropped: `maybe_resident`)."""
+        rows = rows[self.maybe_resident[rows]]
+        if rows.size:
+            self.cache.drop_rows(torch.from_numpy(rows))
+            # A window not admitted yet (its batches not reached) may still bring the row back.
+            self.maybe_resident[rows] = self.announced[rows] > self.done_below
+
+    def announce(self, rows: np.ndarray, seq: int) -> None:
+        """Rows handed to the prefetch pipeline for batch `seq`: a window may admit them until that batch runs."""
+        self.maybe_resident[rows] = True
+        self.announced[rows] = np.maximum(self.announced[rows], seq)
+
+    def write_back(self, rows: np.ndarray) -> None:
+        """Queue the records of slab `rows` for the file, in id order and batches of WRITE_ROWS (copied now:
+        the rows may be reused at once; memory in flight stays bounded)."""
+        if rows.size == 0:
+            return
+        rows = rows[np.argsort(self.row_id[rows], kind="stable")]
+        cache = self.cache
+        for start in range(0, rows.size, WRITE_ROWS):
+            part = rows[start: start + WRITE_ROWS]
+            at = torch.from_numpy(part)
+            states = {name: s.index_select(0, at) for name, s in cache.host_states.items()}
+            records = self.layout.pack(cache.host_weight.index_select(0, at), states,
+                                       cache.host_freq.index_select(0, at))
+            ids = self.row_id[part]
+            self.writes.append((ids, self.table.write(ids, records)))
+            if len(self.writes) > 4:  # at most a few batches of records in flight
+                self.writes[0][1].wait()
+                self.writes = [(w, t) for w, t in self.writes if not t.done()]
+        self.dirty[rows] = False
+        self.stats["written_back"] += int(rows.size)
+
+    def flush(self) -> None:
+        """Every dirty slab row to the file (rows stay cached, clean); the device cache must be flushed first."""
+        self.fence()
+        self.write_back(np.flatnonzero(self.dirty))
+        self.table.drain()
+        self.writes = []
+
+    def clear(self) -> None:
+        """Forget every cached row (after a flush, or to drop rows the file no longer holds): the device cache
+        is emptied of them too."""
+        self.fence()
+        self.drop_device_copies(np.arange(self.num_rows))
+        self.index = RowIndex(self.base - self.first)
+        self.row_id[:] = -1
+        self.row_step[:] = -1
+        self.dirty[:] = False
+        self.free_mask[:] = True
+        self.free_mask[: self.first] = False
+
+    # ----------------------------------------------------------------- staging rows
+    def _grow(self, extra: int) -> None:
+        """Room for `extra` more rows past the slab (a batch larger than the host cache)."""
+        self.fence()
+        old = self.num_rows
+        new = old + extra
+        self.inner._resize_rows(new)
+        for name, fill in (("row_id", -1), ("row_step", -1)):
+            setattr(self, name, np.concatenate([getattr(self, name), np.full(extra, fill, dtype=np.int64)]))
+        self.dirty = np.concatenate([self.dirty, np.zeros(extra, dtype=bool)])
+        self.maybe_resident = np.concatenate([self.maybe_resident, np.zeros(extra, dtype=bool)])
+        self.announced = np.concatenate([self.announced, np.full(extra, -1, dtype=np.int64)])
+        self.row_load = np.concatenate([self.row_load, np.zeros(extra, dtype=np.int64)])
+        self.free_mask = np.concatenate([self.free_mask, np.ones(extra, dtype=bool)])
+        self.stats["staging_rows"] = max(self.stats["staging_rows"], new - self.base)
+        self.stats["grown"] += 1
+
+    def trim(self) -> None:
+        """Give the staging rows back once no batch in flight holds them (the slab returns to its budget)."""
+        if self.num_rows <= self.base:
+            return
+        staging = np.arange(self.base, self.num_rows)
+        if (self.row_step[staging] >= self.done_below).any():
+            return
+        self.evict_rows(staging[self.row_id[staging] >= 0])
+        self.table.drain()
+        self.writes = []
+        self.inner._resize_rows(self.base)
+        for name in ("row_id", "row_step", "dirty", "free_mask", "maybe_resident", "announced", "row_load"):
+            setattr(self, name, getattr(self, name)[: self.base].copy())
+
+    def host_bytes(self) -> int:
+        """Host memory this cache holds: slab rows (row, state, count) and its bookkeeping."""
+        return self.num_rows * (self.layout.record_bytes + BOOKKEEPING_BYTES) + self.index.nbytes

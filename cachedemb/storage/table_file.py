@@ -1,0 +1,537 @@
+"""A table file: rows read and written in batches on a thread pool, copy-on-write after each commit.
+
+Reads and writes are batched and sorted by file offset; runs of adjacent records go in one pread / pwrite call
+(`rowio`: a loop in C under one GIL-free ctypes call, or `os.preadv` / `os.pwritev` in Python), and the calls run
+on worker threads: reads on `io_threads` workers, writes on one worker, in submission order. A chunk (the rows of one block) that a retained snapshot names is
+never written: its first write after a commit copies the block into a free one (`os.copy_file_range`, in the
+kernel: no table bytes through this process's memory), and the live chunk map points there from then on.
+
+Commit (`commit`): wait for every read and write, `fdatasync`, write the live chunk map into free blocks,
+`fdatasync`, overwrite the superblock slot of the older retained snapshot, `fdatasync`. The file then retains
+the new snapshot and the one before it; blocks only the dropped one named become free.
+
+Opening checks everything a crash or a wrong path can leave: the magic and header checksum, the superblocks'
+checksums, that every block a snapshot names lies inside the file (a truncated file fails here), and, when the
+caller says what it expects, the table's shape, dtype and optimizer state layout. A writer that did not close
+the file (a crash, a SIGKILL) leaves its writer record set: opening says so and offers the last snapshot
+(`recover=True`). An `flock` tells a live writer from a dead one.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from cachedemb.modules.checkpoint import fsync_directory
+from cachedemb.storage import rowio
+from cachedemb.storage.format import (
+    DATA_OFFSET,
+    PAGE,
+    SUPER_OFFSETS,
+    WRITER_OFFSET,
+    CorruptTableError,
+    Superblock,
+    TableHeader,
+    TableLockedError,
+    TableMismatchError,
+    TableWriterDiedError,
+    WriterRecord,
+)
+
+# Row fill for creation: rows [start, stop) -> (weight [n, dim], {state: [n, cols]}, counts [n]).
+RowFill = Callable[[int, int], tuple]
+_FILL_BYTES = 4 << 20  # creation streams the table through a buffer of about this size
+
+
+class IoTicket:
+    """Completion of one batched read or write (several futures); `wait()` returns the read's records."""
+
+    def __init__(self, futures: list[Future], result=None):
+        self.futures, self._result = futures, result
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def wait(self):
+        for f in self.futures:
+            f.result()
+        return self._result
+
+
+def _spans(offsets: np.ndarray, record: int) -> np.ndarray:
+    """Starts of runs of adjacent records in sorted `offsets` (plus the end): one syscall per run."""
+    if offsets.size == 0:
+        return np.zeros(1, dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(offsets) != record) + 1
+    return np.concatenate([[0], breaks, [offsets.size]]).astype(np.int64)
+
+
+class TableFile:
+    """One table file open for reading or writing (see the module docstring)."""
+
+    def __init__(self, path: Path, fd: int, header: TableHeader, writable: bool, io_threads: int):
+        self.path, self.fd, self.header, self.writable = path, fd, header, writable
+        self.layout = header.layout
+        self.record = self.layout.record_bytes
+        self.block = header.block_bytes
+        self.rpb = header.rows_per_block
+        self.snapshots: dict[int, tuple[Superblock, np.ndarray]] = {}  # seq -> (superblock, chunk map)
+        self.slot_of: dict[int, int] = {}  # seq -> superblock slot
+        self.live: np.ndarray = np.zeros(0, dtype=np.int64)
+        self.used = np.zeros(0, dtype=bool)
+        self.free: list[int] = []
+        self._map_lock = threading.Lock()
+        self._readers = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="cachedemb-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="cachedemb-write")
+        self._pending: list[IoTicket] = []
+        self.token = 0
+        self.writer_died: WriterRecord | None = None
+        self.stats = dict.fromkeys(("rows_read", "rows_written", "bytes_read", "bytes_written", "read_calls",
+                                    "write_calls", "blocks_copied", "commits"), 0)
+        self.closed = False
+
+    # ----------------------------------------------------------------- creation and opening
+    @classmethod
+    def create(cls, path, header: TableHeader, fill: RowFill, io_threads: int = 4) -> "TableFile":
+        """Write a new table file at `path` (which must not exist), its rows from `fill` in chunks of blocks
+        (never the whole table in memory), committed as snapshot 1; returned open for writing. The file is
+        built under a temporary name and renamed into place, so a crash never leaves a partial `path`."""
+        path = Path(path)
+        if path.exists():
+            raise FileExistsError(f"table file {str(path)!r} already exists; cachedemb never overwrites one "
+                                  "(open it, or choose another path)")
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"directory {str(path.parent)!r} of table file {str(path)!r} does not exist")
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.creating")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        table = cls(path, fd, header, True, io_threads)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.pwrite(fd, header.encode(), 0)
+            table._write_writer_record(True)
+            for slot in SUPER_OFFSETS:
+                os.pwrite(fd, b"\0" * PAGE, slot)
+            n_chunks = header.num_chunks
+            table.live = np.arange(n_chunks, dtype=np.int64)
+            table.used = np.ones(n_chunks, dtype=bool)
+            per_fill = max(1, _FILL_BYTES // table.block) * table.rpb
+            for start in range(0, header.num_rows, per_fill):
+                stop = min(header.num_rows, start + per_fill)
+                weight, states, counts = fill(start, stop)
+                data = memoryview(table.layout.pack(weight, states, counts).numpy()).cast("B")
+                for first in range(start, stop, table.rpb):  # chunk c in block c (blocks are page-aligned)
+                    last = min(stop, first + table.rpb)
+                    table._pwrite_all(data[(first - start) * table.record: (last - start) * table.record],
+                                      DATA_OFFSET + (first // table.rpb) * table.block)
+            if header.num_rows == 0:
+                os.ftruncate(fd, DATA_OFFSET + table.block)
+            else:  # the last block in full, so every block a map names lies inside the file
+                os.ftruncate(fd, max(os.fstat(fd).st_size, DATA_OFFSET + n_chunks * table.block))
+            table._commit_map({"optimizer_step": 0, "created": True})
+            os.replace(tmp, path)
+            fsync_directory(path.parent)
+        except BaseException:
+            table._shutdown()
+            os.close(fd)
+            with _suppress():
+                os.unlink(tmp)
+            raise
+        return table
+
+    @classmethod
+    def open(cls, path, writable: bool = True, recover: bool = False, expect: TableHeader | None = None,
+             io_threads: int = 4) -> "TableFile":
+        """Open an existing table file, checking its structure (and, with `expect`, that it holds that table).
+        A file whose writer died raises TableWriterDiedError naming the last snapshot, unless `recover`: then
+        it opens at that snapshot (the rows written after it are gone)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"table file {str(path)!r} not found")
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_EX if writable else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                rec = WriterRecord.decode(os.pread(fd, PAGE, WRITER_OFFSET))
+                who = f"pid {rec.pid} on {rec.host}" if rec and rec.open else "another process"
+                raise TableLockedError(f"table file {str(path)!r} is open for writing by {who}; one writer at "
+                                       "a time (readers wait for it to close)") from None
+            size = os.fstat(fd).st_size
+            if size < DATA_OFFSET:
+                raise CorruptTableError(f"table file {str(path)!r} is truncated: {size} bytes, less than its "
+                                        f"{DATA_OFFSET}-byte preamble")
+            header = TableHeader.decode(os.pread(fd, PAGE, 0), path)
+            if expect is not None:
+                _check_expected(path, header, expect)
+            table = cls(path, fd, header, writable, io_threads)
+            table._load_snapshots(size)
+            rec = WriterRecord.decode(os.pread(fd, PAGE, WRITER_OFFSET))
+            if rec is None or rec.open:
+                newest = table.newest_seq
+                info = table.describe_snapshot(newest)
+                if not recover:
+                    who = f"pid {rec.pid} on {rec.host}, open since {time.ctime(rec.since)}" if rec else \
+                        "a writer whose record is torn"
+                    raise TableWriterDiedError(
+                        f"table file {str(path)!r} was not closed by its last writer ({who}): it died, and rows "
+                        f"it wrote after its last commit are lost. The last committed snapshot is intact: "
+                        f"snapshot {newest} ({info}). Open with recover=True (FileStorage(..., recover=True) or "
+                        "open_table(..., recover=True)) to continue from it.", info)
+                table.writer_died = rec or WriterRecord(True)
+            table.live = table.snapshots[table.newest_seq][1].copy()
+            table._rebuild_free()
+            if writable:
+                table._write_writer_record(True)
+                os.fsync(fd)
+            _advise_random(fd)
+            return table
+        except BaseException:
+            if "table" in locals():
+                table._shutdown()
+            os.close(fd)
+            raise
+
+    def _load_snapshots(self, size: int) -> None:
+        supers = []
+        for slot, offset in enumerate(SUPER_OFFSETS):
+            sb = Superblock.decode(os.pread(self.fd, PAGE, offset))
+            if sb is not None:
+                supers.append((sb, slot))
+        if not supers:
+            raise CorruptTableError(f"table file {str(self.path)!r} has no valid superblock (no committed "
+                                    "snapshot: a damaged or foreign file)")
+        supers.sort(key=lambda s: -s[0].seq)
+        n_chunks = self.header.num_chunks
+        problems = []
+        for sb, slot in supers:
+            problem = None
+            end_blocks = DATA_OFFSET + sb.high_water * self.block
+            if sb.map_bytes != 8 * n_chunks:
+                problem = f"its chunk map has {sb.map_bytes} bytes, expected {8 * n_chunks}"
+            elif sb.map_offset + sb.map_bytes > size or end_blocks > size:
+                problem = (f"it needs {max(sb.map_offset + sb.map_bytes, end_blocks)} bytes but the file has "
+                           f"{size} (truncated)")
+            if problem is None:
+                chunk_map = np.frombuffer(os.pread(self.fd, sb.map_bytes, sb.map_offset), dtype=np.int64).copy()
+                if chunk_map.size != n_chunks or (chunk_map.size and (chunk_map.min() < 0 or
+                                                                      chunk_map.max() >= sb.high_water)):
+                    problem = "its chunk map names blocks outside the file"
+            if problem is None:
+                self.snapshots[sb.seq] = (sb, chunk_map)
+                self.slot_of[sb.seq] = slot
+            else:
+                problems.append(f"snapshot {sb.seq}: {problem}")
+        if not self.snapshots or max(self.snapshots) != supers[0][0].seq:
+            raise CorruptTableError(f"table file {str(self.path)!r} is damaged: " + "; ".join(problems))
+
+    # ----------------------------------------------------------------- snapshots
+    @property
+    def newest_seq(self) -> int:
+        return max(self.snapshots)
+
+    def describe_snapshot(self, seq: int) -> dict:
+        sb = self.snapshots[seq][0]
+        return dict(sb.meta, seq=seq, path=str(self.path))
+
+    def _rebuild_free(self) -> None:
+        """Blocks in use: the retained snapshots' chunks and maps, and the live map's chunks."""
+        high = max([sb.high_water for sb, _ in self.snapshots.values()] + [int(self.live.max()) + 1])
+        used = np.zeros(high, dtype=bool)
+        used[self.live] = True
+        for sb, chunk_map in self.snapshots.values():
+            used[chunk_map] = True
+            first = (sb.map_offset - DATA_OFFSET) // self.block
+            used[first: first + -(-sb.map_bytes // self.block)] = True
+        self.used = used
+        self.free = np.flatnonzero(~used)[::-1].tolist()  # a stack: the lowest free block on top
+
+    def _alloc(self) -> int:
+        if self.free:
+            block = self.free.pop()
+        else:
+            block = self.used.size
+            self.used = np.concatenate([self.used, np.zeros(max(16, self.used.size // 8), dtype=bool)])
+            self.free = list(range(self.used.size - 1, block, -1))
+        self.used[block] = True
+        return block
+
+    def _alloc_run(self, n: int) -> int:
+        """n contiguous free blocks (for a chunk map), at the end of the file when no free run is long enough."""
+        free = np.flatnonzero(~self.used)
+        if free.size >= n:
+            starts = np.flatnonzero(np.diff(np.concatenate([[-2], free])) != 1)
+            lengths = np.diff(np.concatenate([starts, [free.size]]))
+            ok = np.flatnonzero(lengths >= n)
+            if ok.size:
+                first = int(free[starts[ok[0]]])
+                self.used[first: first + n] = True
+                self.free = np.flatnonzero(~self.used)[::-1].tolist()
+                return first
+        first = self.used.size
+        self.used = np.concatenate([self.used, np.ones(n, dtype=bool)])
+        return first
+
+    def commit(self, meta: dict) -> int:
+        """Make the live table a durable snapshot (see the module docstring); returns its seq."""
+        self._check_writable()
+        self.drain()
+        os.fdatasync(self.fd)
+        return self._commit_map(meta)
+
+    def _commit_map(self, meta: dict) -> int:
+        seq = max(self.snapshots, default=0) + 1
+        map_bytes = 8 * self.live.size
+        first = self._alloc_run(-(-map_bytes // self.block))
+        map_offset = DATA_OFFSET + first * self.block
+        self._pwrite_all(self.live.astype(np.int64).tobytes(), map_offset)
+        high = self.used.size
+        os.ftruncate(self.fd, max(os.fstat(self.fd).st_size, DATA_OFFSET + high * self.block))
+        os.fdatasync(self.fd)
+        sb = Superblock(seq, map_offset, map_bytes, high, dict(meta, time=time.time()))
+        # The slot of the older retained snapshot (or an empty one) is overwritten; the newest stays.
+        taken = set(self.slot_of.values())
+        if len(taken) < 2:
+            slot = min({0, 1} - taken)
+        else:
+            slot = self.slot_of[min(self.snapshots)]
+        os.pwrite(self.fd, sb.encode(), SUPER_OFFSETS[slot])
+        os.fdatasync(self.fd)
+        for old in [s for s, sl in self.slot_of.items() if sl == slot]:
+            del self.snapshots[old], self.slot_of[old]
+        self.snapshots[seq] = (sb, self.live.copy())
+        self.slot_of[seq] = slot
+        self._rebuild_free()
+        self.stats["commits"] += 1
+        return seq
+
+    def rollback(self, seq: int) -> None:
+        """Make snapshot `seq` (a retained one) the live table; rows written since it are dropped."""
+        self._check_writable()
+        if seq not in self.snapshots:
+            raise TableMismatchError(
+                f"table file {str(self.path)!r} does not retain snapshot {seq}: it keeps the last two commits "
+                f"({sorted(self.snapshots)}); a checkpoint older than those was overwritten by later commits")
+        self.drain()
+        with self._map_lock:
+            self.live = self.snapshots[seq][1].copy()
+        self._rebuild_free()
+
+    # ----------------------------------------------------------------- rows
+    def row_offsets(self, ids: np.ndarray) -> np.ndarray:
+        with self._map_lock:
+            blocks = self.live[ids // self.rpb]
+        return DATA_OFFSET + blocks * self.block + (ids % self.rpb) * self.record
+
+    def read(self, ids: np.ndarray, sink=None) -> IoTicket:
+        """Read the records of rows `ids` (distinct) on the pool; `wait()` gives (records [k, record] uint8 in
+        file order, order) with records[i] the row ids[order[i]]. `sink(records[a:b], order[a:b])`, when given,
+        runs on the worker thread as each part lands."""
+        ids = np.asarray(ids, dtype=np.int64)
+        offsets = self.row_offsets(ids)
+        order = np.argsort(offsets, kind="stable")
+        offsets = offsets[order]
+        records = torch.empty(ids.size, self.record, dtype=torch.uint8)
+        buf = records.numpy()
+        spans = _spans(offsets, self.record)
+        parts = min(self._readers._max_workers, max(1, spans.size - 1))
+        cuts = np.linspace(0, spans.size - 1, parts + 1).astype(np.int64)
+        order_t = torch.from_numpy(order)
+        futures = [_submit(self._readers, self._read_part, buf, offsets, spans[cuts[i]: cuts[i + 1] + 1], records,
+                                        order_t, sink) for i in range(parts) if cuts[i + 1] > cuts[i]]
+        self.stats["rows_read"] += int(ids.size)
+        self.stats["bytes_read"] += int(ids.size) * self.record
+        self.stats["read_calls"] += int(spans.size - 1)
+        ticket = IoTicket(futures, (records, order_t))
+        self._pending.append(ticket)
+        return ticket
+
+    def _read_part(self, buf: np.ndarray, offsets: np.ndarray, spans: np.ndarray, records, order, sink) -> None:
+        short = rowio.pread_spans(self.fd, offsets, spans, self.record, buf)
+        if short:
+            at = int(offsets[spans[short - 1]])
+            raise CorruptTableError(f"table file {str(self.path)!r}: the file ends inside the record at offset "
+                                    f"{at} (truncated while open?)")
+        if sink is not None:
+            a, b = int(spans[0]), int(spans[-1])
+            sink(records[a:b], order[a:b])
+
+    def write(self, ids: np.ndarray, records: torch.Tensor) -> IoTicket:
+        """Write records [k, record] of rows `ids` (distinct, ascending) on the writer thread, after earlier
+        writes; `records` must not change until the ticket is done."""
+        self._check_writable()
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size > 1 and not (np.diff(ids) > 0).all():
+            raise ValueError("table rows are written in ascending id order")
+        future = _submit(self._writer, self._write_task, ids, records)
+        self.stats["rows_written"] += int(ids.size)
+        self.stats["bytes_written"] += int(ids.size) * self.record
+        ticket = IoTicket([future])
+        self._pending.append(ticket)
+        return ticket
+
+    def _write_task(self, ids: np.ndarray, records: torch.Tensor) -> None:
+        chunks = np.unique(ids // self.rpb)
+        shared = np.zeros(chunks.size, dtype=bool)
+        live = self.live[chunks]
+        for _, chunk_map in self.snapshots.values():
+            shared |= chunk_map[chunks] == live
+        for c, old in zip(chunks[shared].tolist(), live[shared].tolist()):
+            new = self._alloc()
+            self._copy_block(old, new)
+            with self._map_lock:
+                self.live[c] = new
+        # Ascending ids: a run of adjacent records (one chunk, consecutive ids) is contiguous in `records` too.
+        offsets = self.row_offsets(ids)
+        spans = _spans(offsets, self.record)
+        rowio.pwrite_spans(self.fd, offsets, spans, self.record, records.numpy())
+        self.stats["write_calls"] += int(spans.size - 1)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write of one block, inside the kernel where it can (no bytes through this process)."""
+        a, b = DATA_OFFSET + src * self.block, DATA_OFFSET + dst * self.block
+        need = DATA_OFFSET + (dst + 1) * self.block
+        if os.fstat(self.fd).st_size < need:
+            os.ftruncate(self.fd, need)
+        done = 0
+        while done < self.block:
+            try:
+                n = os.copy_file_range(self.fd, self.fd, self.block - done, a + done, b + done)
+            except (OSError, AttributeError):
+                n = 0
+            if n <= 0:  # not supported here: through a bounded buffer
+                data = os.pread(self.fd, self.block - done, a + done)
+                self._pwrite_all(data, b + done)
+                n = len(data)
+            done += n
+        self.stats["blocks_copied"] += 1
+
+    def _pwrite_all(self, data, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            n = os.pwritev(self.fd, [view], offset)
+            view, offset = view[n:], offset + n
+
+    def drain(self) -> None:
+        """Wait for every read and write issued so far (raising the first I/O error)."""
+        pending, self._pending = self._pending, []
+        for ticket in pending:
+            ticket.wait()
+
+    def prune(self) -> None:
+        """Forget tickets that are done (called per batch)."""
+        if len(self._pending) > 16:
+            done = [t for t in self._pending if t.done()]
+            for t in done:
+                t.wait()
+            self._pending = [t for t in self._pending if not t.done()]
+
+    # ----------------------------------------------------------------- writer record and closing
+    def _write_writer_record(self, is_open: bool) -> None:
+        if is_open:
+            self.token = secrets.randbits(63)
+        rec = WriterRecord(is_open, os.getpid(), self.token, time.time(), socket.gethostname())
+        os.pwrite(self.fd, rec.encode(), WRITER_OFFSET)
+
+    def _check_writable(self) -> None:
+        if self.closed:
+            raise ValueError(f"table file {str(self.path)!r} is closed")
+        if not self.writable:
+            raise ValueError(f"table file {str(self.path)!r} is open read-only")
+
+    def close(self, meta: dict | None = None) -> None:
+        """Commit (when `meta` is given), mark the file closed by its writer, release it."""
+        if self.closed:
+            return
+        try:
+            if self.writable:
+                if meta is not None:
+                    self.commit(meta)
+                self.drain()
+                self._write_writer_record(False)
+                os.fsync(self.fd)
+        finally:
+            self._shutdown()
+            os.close(self.fd)
+            self.closed = True
+
+    def _shutdown(self) -> None:
+        self._readers.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+
+    def drop_page_cache(self) -> None:
+        """Evict this file's pages from the OS page cache (benchmarks: cold reads). Dirty pages are synced."""
+        self.drain()
+        if self.writable:
+            os.fdatasync(self.fd)
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def file_bytes(self) -> int:
+        return os.fstat(self.fd).st_size
+
+
+def open_table(path, recover: bool = False, io_threads: int = 4) -> TableFile:
+    """Open a table file read-only at its newest snapshot (for export or inspection: `iter_rows`,
+    `describe_snapshot`). A file whose writer died raises TableWriterDiedError unless `recover`."""
+    return TableFile.open(path, writable=False, recover=recover, io_threads=io_threads)
+
+
+def iter_table_rows(table: TableFile, chunk_rows: int = 1 << 16):
+    """(start, weight, {state: rows}, counts) for consecutive row ranges of the table, in id order: O(chunk)
+    memory, for export by streaming."""
+    layout = table.layout
+    for start in range(0, table.header.num_rows, chunk_rows):
+        stop = min(table.header.num_rows, start + chunk_rows)
+        records, order = table.read(np.arange(start, stop, dtype=np.int64)).wait()
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel())
+        records = records.index_select(0, back)  # id order
+        states = {name: layout.state_view(records, name) for name, _, _ in layout.state_cols}
+        yield start, layout.weight_view(records), states, layout.count_view(records)
+
+
+def _submit(pool: ThreadPoolExecutor, fn, *args) -> Future:
+    """fn on the pool, or here and now once the pool is shut down (at interpreter exit, when the module's
+    close runs after concurrent.futures stopped its workers)."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits, as the pool would
+            future.set_exception(exc)
+        return future
+
+
+def _check_expected(path: Path, header: TableHeader, expect: TableHeader) -> None:
+    got = (header.num_rows, header.dim, header.dtype, header.state_cols)
+    want = (expect.num_rows, expect.dim, expect.dtype, expect.state_cols)
+    if got[:3] != want[:3]:
+        raise TableMismatchError(f"table file {str(path)!r} holds a table of {header.num_rows} x {header.dim} "
+                                 f"{header.dtype}, not the {expect.num_rows} x {expect.dim} {expect.dtype} "
+                                 "asked for (another table's file?)")
+    if tuple((n, c) for n, c, _ in got[3]) != tuple((n, c) for n, c, _ in want[3]):
+        raise TableMismatchError(f"table file {str(path)!r} carries optimizer state "
+                                 f"{[(n, c) for n, c, _ in got[3]]} ({header.optimizer or 'none'}), not the "
+                                 f"{[(n, c) for n, c, _ in want[3]]} of {expect.optimizer or 'no optimizer'}")
+
+
+def _advise_random(fd: int) -> None:
+    """Rows are read at random: no read-ahead of neighbouring pages."""
+    with _suppress():
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+
+def _suppress():
+    return contextlib.suppress(OSError)
+

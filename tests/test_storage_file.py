@@ -1,0 +1,211 @@
+"""The table file (cachedemb.storage.table_file): rows round-trip through batched reads and writes, a committed
+snapshot is never written (copy-on-write) and the file keeps the last two, and bad files (truncated, foreign,
+another table's, a dead writer's, one in use) are refused with an error naming the file, overwriting nothing."""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from cachedemb.storage.format import (
+    SUPER_OFFSETS,
+    CorruptTableError,
+    TableHeader,
+    TableLockedError,
+    TableMismatchError,
+    TableWriterDiedError,
+)
+from cachedemb.storage import rowio
+from cachedemb.storage.table_file import TableFile, iter_table_rows, open_table
+
+N, D = 1000, 5
+
+
+@pytest.fixture(autouse=True, params=["c", "python"])
+def io_loop(request, monkeypatch):
+    """Every test with the span loop in C (rowio.c, where a compiler exists) and in Python (os.preadv)."""
+    if request.param == "python":
+        monkeypatch.setattr(rowio, "_load", lambda: None)
+    elif rowio.backend() != "c":
+        pytest.skip("no C compiler: the Python span loop runs")
+    return request.param
+
+
+def header(num_rows=N, dim=D, state=(("sum", 1, 0.5),), rows_per_block=64):
+    return TableHeader(num_rows, dim, torch.float32, state, "RowWiseAdagrad()", rows_per_block, uuid.uuid4().hex,
+                       "weight", time.time())
+
+
+def rows_of(seed=0, num_rows=N):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_rows, D, generator=g), torch.rand(num_rows, 1, generator=g), torch.arange(num_rows)
+
+
+def create(path, h=None, seed=0):
+    h = h or header()
+    w, s, c = rows_of(seed, h.num_rows)
+    return TableFile.create(path, h, lambda a, b: (w[a:b], {"sum": s[a:b]}, c[a:b]))
+
+
+def read(table, ids):
+    records, order = table.read(np.asarray(ids)).wait()
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel())
+    records = records.index_select(0, back)
+    lay = table.layout
+    return lay.weight_view(records), lay.state_view(records, "sum"), lay.count_view(records)
+
+
+def write(table, ids, value):
+    k = len(ids)
+    table.write(np.asarray(ids), table.layout.pack(torch.full((k, D), float(value)), {"sum": torch.full((k, 1), 1.0)},
+                                                   torch.full((k,), 7))).wait()
+
+
+def table_rows(table):
+    return torch.cat([w for _, w, _, _ in iter_table_rows(table, chunk_rows=300)])
+
+
+def test_rows_round_trip_in_any_order(tmp_path):
+    t = create(tmp_path / "t.cemb")
+    w, s, c = rows_of(0)
+    ids = np.array([999, 0, 63, 64, 65, 500, 1, 2, 3])  # block edges, adjacent runs, out of order
+    got_w, got_s, got_c = read(t, ids)
+    idx = torch.from_numpy(ids)
+    assert torch.equal(got_w, w[idx]) and torch.equal(got_s, s[idx]) and torch.equal(got_c, c[idx])
+    write(t, [5, 6, 700], 3.5)
+    got_w, _, got_c = read(t, [5, 6, 7, 700])
+    assert torch.equal(got_w[:, 0], torch.tensor([3.5, 3.5, w[7, 0], 3.5]))
+    assert got_c.tolist() == [7, 7, int(c[7]), 7]
+    assert torch.equal(table_rows(t)[[5, 6, 700]], torch.full((3, D), 3.5))
+    t.close()
+
+
+def test_committed_snapshot_is_never_overwritten(tmp_path):
+    t = create(tmp_path / "t.cemb")
+    before = table_rows(t).clone()
+    write(t, [10, 11], 1.0)
+    s2 = t.commit({"optimizer_step": 2})
+    copied = t.stats["blocks_copied"]
+    assert copied >= 1  # the first write after the creation's snapshot copied its block
+    write(t, [10, 900], 2.0)  # after s2: block of 10 copied again, 900's too
+    assert t.stats["blocks_copied"] == copied + 2
+    write(t, [11], 3.0)  # same chunk as 10, already private since s2: written in place
+    assert t.stats["blocks_copied"] == copied + 2
+    t.rollback(s2)
+    rows = table_rows(t)
+    assert torch.equal(rows[[10, 11]], torch.full((2, D), 1.0)) and torch.equal(rows[900], before[900])
+    t.rollback(1)  # the creation's snapshot is still retained (the last two are)
+    assert torch.equal(table_rows(t), before)
+    t.commit({})
+    t.commit({})
+    with pytest.raises(TableMismatchError, match="does not retain snapshot 1"):
+        t.rollback(1)
+    t.close()
+
+
+def test_file_size_stays_bounded_over_many_commits(tmp_path):
+    t = create(tmp_path / "t.cemb")
+    rng = np.random.default_rng(0)
+    sizes = []
+    for step in range(12):
+        write(t, np.unique(rng.integers(0, N, 200)), step)
+        t.commit({"step": step})
+        sizes.append(t.file_bytes())
+    # at most three versions of each block (two retained snapshots + live) and their maps: no growth per commit
+    assert sizes[-1] == sizes[4], sizes
+    t.close()
+
+
+def test_reopen_continues_from_the_newest_snapshot(tmp_path):
+    path = tmp_path / "t.cemb"
+    t = create(path)
+    write(t, [3], 9.0)
+    t.close({"optimizer_step": 5})
+    t = TableFile.open(path, writable=True)
+    assert t.snapshots[t.newest_seq][0].meta["optimizer_step"] == 5
+    assert torch.equal(read(t, [3])[0], torch.full((1, D), 9.0))
+    t.close()
+
+
+def test_writer_that_died_is_reported_with_its_last_snapshot(tmp_path):
+    path = tmp_path / "t.cemb"
+    t = create(path)
+    write(t, [1], 4.0)
+    seq = t.commit({"optimizer_step": 3})
+    write(t, [2], 8.0)  # after the last commit: lost with the writer
+    t._shutdown()
+    os.close(t.fd)  # the process "dies": no close, writer record left open, lock released
+    for writable in (True, False):
+        with pytest.raises(TableWriterDiedError, match=f"{path}.*snapshot {seq}.*recover=True") as err:
+            TableFile.open(path, writable=writable)
+        assert err.value.snapshot["seq"] == seq and err.value.snapshot["optimizer_step"] == 3
+    t = open_table(path, recover=True)
+    w = read(t, [1, 2])[0]
+    assert torch.equal(w[0], torch.full((D,), 4.0)) and torch.equal(w[1], rows_of(0)[0][2])
+    t.close()
+    t = TableFile.open(path, writable=True, recover=True)
+    t.close({})
+    TableFile.open(path, writable=True).close()  # closed cleanly now
+
+
+def test_one_writer_at_a_time(tmp_path):
+    path = tmp_path / "t.cemb"
+    t = create(path)
+    with pytest.raises(TableLockedError, match=f"{path}.*pid {os.getpid()}"):
+        TableFile.open(path, writable=True)
+    with pytest.raises(TableLockedError):
+        open_table(path)
+    t.close()
+
+
+def test_bad_files_are_refused_naming_the_file(tmp_path):
+    path = tmp_path / "t.cemb"
+    create(path).close()
+    good = path.read_bytes()
+    with pytest.raises(FileExistsError, match="never overwrites"):
+        create(path)
+    assert path.read_bytes() == good
+    with pytest.raises(FileNotFoundError, match="nope.cemb"):
+        open_table(tmp_path / "nope.cemb")
+    with pytest.raises(TableMismatchError, match=f"{path}.*1000 x 5.*not the 1000 x 6"):
+        TableFile.open(path, expect=header(dim=6))
+    with pytest.raises(TableMismatchError, match="optimizer state"):
+        TableFile.open(path, expect=header(state=(("exp_avg", 5, 0.0), ("exp_avg_sq", 5, 0.0))))
+    cases = {
+        "short.cemb": good[:100],
+        "truncated.cemb": good[: len(good) - 4096 * 3],
+        "foreign.cemb": b"PK\x03\x04" + good[4:],
+        "header.cemb": good[:40] + bytes([good[40] ^ 0xFF]) + good[41:],
+        "supers.cemb": good[: SUPER_OFFSETS[0]] + b"\0" * 8192 + good[SUPER_OFFSETS[0] + 8192:],
+    }
+    messages = {"short.cemb": "truncated", "truncated.cemb": "truncated", "foreign.cemb": "not a cachedemb table",
+                "header.cemb": "checksum", "supers.cemb": "no valid superblock"}
+    for name, data in cases.items():
+        bad = tmp_path / name
+        bad.write_bytes(data)
+        with pytest.raises(CorruptTableError, match=f"{bad}.*{messages[name]}|{messages[name]}.*{bad}"):
+            TableFile.open(bad, writable=True)
+        assert bad.read_bytes() == data, name  # nothing written to a refused file
+
+
+def test_torn_superblock_keeps_the_newest_snapshot(tmp_path):
+    """A crash while a commit writes its superblock tears the slot of the *older* snapshot: the newest stands."""
+    path = tmp_path / "t.cemb"
+    t = create(path)
+    write(t, [4], 6.0)
+    newest = t.commit({"optimizer_step": 1})
+    slot_of_older = t.slot_of[min(t.snapshots)]
+    t.close()
+    data = bytearray(path.read_bytes())
+    off = SUPER_OFFSETS[slot_of_older]
+    data[off + 20: off + 30] = b"\xAB" * 10  # half-written
+    path.write_bytes(bytes(data))
+    t = TableFile.open(path, writable=False)
+    assert sorted(t.snapshots) == [newest]
+    assert torch.equal(read(t, [4])[0], torch.full((1, D), 6.0))
+    t.close()

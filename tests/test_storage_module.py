@@ -1,0 +1,229 @@
+"""A table on file trains exactly as in memory: `CachedEmbeddingBag(..., storage=FileStorage(...))` against an
+in-memory CachedEmbeddingBag on the same batches, bit for bit (outputs every step, then rows, optimizer state and
+step), for every fused optimizer, at host caches larger and smaller than one batch, device caches of several
+sizes, with and without prefetch, in both sizing modes; reopening continues; bad use is refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import cachedemb
+from cachedemb import optim
+from cachedemb.modules.errors import InvalidIdError
+from cachedemb.storage.embedding_bag import state_columns
+from cachedemb.storage.host_cache import slab_rows
+from cachedemb.storage.format import TableHeader, TableMismatchError
+
+pytestmark = [pytest.mark.usefixtures("sizing_mode")]
+
+N, D, BAGS, STEPS = 400, 8, 12, 14
+SPECS = {"sgd": optim.SGD(lr=0.1), "adagrad": optim.Adagrad(lr=0.1, initial_accumulator_value=0.1),
+         "rowwise_adagrad": optim.RowWiseAdagrad(lr=0.1), "adam": optim.Adam(lr=0.01)}
+
+
+def batches(seed=0, steps=STEPS, with_weights=False):
+    rng = np.random.default_rng(seed)
+    p = np.arange(1, N + 1, dtype=np.float64) ** -1.05
+    p /= p.sum()
+    perm = rng.permutation(N)
+    out = []
+    for _ in range(steps):
+        lengths = rng.integers(0, 9, BAGS)
+        ids = torch.from_numpy(perm[rng.choice(N, size=int(lengths.sum()), p=p)])
+        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)[:-1]]))
+        psw = torch.rand(ids.numel(), generator=torch.Generator().manual_seed(int(lengths.sum())))
+        target = torch.randn(BAGS, D, generator=torch.Generator().manual_seed(int(lengths[0])))
+        out.append((ids, offsets, psw if with_weights else None, target))
+    return out
+
+
+def host_bytes_for(rows, spec):
+    """host_cache_bytes that give `rows` slab rows for this optimizer's records."""
+    record = TableHeader(N, D, torch.float32, state_columns(spec, D), "", 1, "", "", 0).layout.record_bytes
+    budget = next(b for b in range(rows * record, rows * (record + 100)) if slab_rows(b, record) > rows)
+    assert slab_rows(budget, record) == rows + 1  # the slab and the padding row
+    return budget
+
+
+def pair(tmp_path, spec, host_rows, cache_rows, name="t", windows=True, **kw):
+    torch.manual_seed(0)
+    weight = torch.randn(N, D)
+    ref = cachedemb.CachedEmbeddingBag(N, D, cache_rows=cache_rows, optimizer=spec, _weight=weight.clone(),
+                                       device="cpu", **kw)
+    ours = cachedemb.CachedEmbeddingBag(N, D, cache_rows=cache_rows, optimizer=spec, _weight=weight.clone(),
+                                        device="cpu", **kw, storage=cachedemb.FileStorage(
+                                            tmp_path / f"{name}.cemb", host_cache_bytes=host_bytes_for(host_rows, spec),
+                                            device_windows=windows))
+    return ref, ours
+
+
+def step(module, ids, offsets, psw, target):
+    out = module(ids, offsets, psw)
+    (torch.tanh(out) * target).sum().backward()
+    return out.detach()
+
+
+def assert_same_table(ref, ours):
+    want, got = ref.state_dict(), ours.export_state_dict()
+    assert set(want) == set(got)
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("host_rows,cache_rows", [(120, 16), (30, 30), (7, 3)], ids=["host>batch", "host<batch",
+                                                                                        "host<<batch"])
+def test_file_table_trains_as_in_memory(tmp_path, name, host_rows, cache_rows):
+    ref, ours = pair(tmp_path, SPECS[name], host_rows, cache_rows, mode="sum")
+    for ids, offsets, psw, target in batches():
+        assert torch.equal(step(ref, ids, offsets, psw, target), step(ours, ids, offsets, psw, target))
+    assert_same_table(ref, ours)
+    stats = ours.cache_stats()
+    assert stats["host_cache"]["evicted"] > 0 and stats["file"]["rows_written"] > 0
+    if host_rows < 40:  # batches have ~35-50 distinct ids: staging rows were needed, and given back
+        assert stats["host_cache"]["staging_rows"] > 0 and ours.host.num_rows > ours.host.base
+        ids, offsets, psw, target = batches(seed=1, steps=1)[0]
+        step(ours, ids[:2], torch.tensor([0]), None, target[:1])
+        assert ours.host.num_rows == ours.host.base
+    ours.close()
+
+
+@pytest.mark.parametrize("mode", ["mean", "max"])
+def test_modes_padding_and_weights(tmp_path, mode):
+    kw = dict(mode=mode, padding_idx=5)
+    ref, ours = pair(tmp_path, SPECS["adagrad"], 25, 6, **kw)
+    for ids, offsets, _, target in batches(seed=3):
+        ids = torch.where(ids % 7 == 0, torch.full_like(ids, 5), ids)
+        assert torch.equal(step(ref, ids, offsets, None, target), step(ours, ids, offsets, None, target))
+    assert_same_table(ref, ours)
+    ref, ours = pair(tmp_path, SPECS["sgd"], 25, 6, mode="sum", name="psw")
+    for ids, offsets, psw, target in batches(seed=4, with_weights=True):
+        assert torch.equal(step(ref, ids, offsets, psw, target), step(ours, ids, offsets, psw, target))
+    assert_same_table(ref, ours)
+
+
+@pytest.mark.parametrize("host_rows,windows", [(200, True), (40, True), (200, False)])
+def test_prefetch_trains_as_in_memory(tmp_path, host_rows, windows):
+    """Read ahead (depth 2, horizon 4): misses read from the file in the background, windows admitted from the
+    slab (or, without device windows, only the file reads ahead); with a host cache too small for the horizon
+    the read-ahead pauses and forwards map their batches."""
+    ref, ours = pair(tmp_path, SPECS["adam"], host_rows, 24, mode="sum", windows=windows)
+    data = batches(seed=5, steps=16)
+    expected = [step(ref, *b) for b in data]
+    got = [step(ours, *b) for b in cachedemb.prefetch(data, [ours], depth=2, horizon=4)]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert_same_table(ref, ours)
+    assert (ours.cache_stats()["windows"] > 0) == windows and ours.cache_stats()["file"]["rows_read"] > 0
+    # and again, with an eval forward in the middle of the loop
+    more = batches(seed=6, steps=8)
+    for i, b in enumerate(cachedemb.prefetch(more, [ours], depth=2, horizon=4)):
+        if i == 3:
+            with torch.no_grad():
+                assert torch.equal(ours(*more[0][:3]), ref(*more[0][:3]))
+        assert torch.equal(step(ref, *b), step(ours, *b))
+    assert_same_table(ref, ours)
+
+
+def test_reopen_continues_training(tmp_path):
+    spec = SPECS["adam"]
+    ref, ours = pair(tmp_path, spec, 50, 8, mode="sum")
+    data = batches(seed=7, steps=20)
+    for b in data[:10]:
+        step(ref, *b), step(ours, *b)
+    ours.close()
+    again = cachedemb.CachedEmbeddingBag(N, D, mode="sum", cache_rows=8, optimizer=spec, device="cpu",
+                                         storage=cachedemb.FileStorage(tmp_path / "t.cemb",
+                                                                       host_cache_bytes=host_bytes_for(50, spec)))
+    assert again.optimizer_step == 10
+    for b in data[10:]:
+        assert torch.equal(step(ref, *b), step(again, *b))
+    assert_same_table(ref, again)
+    again.close()
+
+
+def test_state_dict_is_a_snapshot_and_load_rolls_back(tmp_path):
+    ref, ours = pair(tmp_path, SPECS["rowwise_adagrad"], 60, 8, mode="sum")
+    data = batches(seed=8, steps=12)
+    for b in data[:6]:
+        step(ours, *b), step(ref, *b)
+    sd = ours.state_dict()
+    assert set(sd) == {"storage.uuid", "storage.snapshot", "optimizer.step"}
+    saved = ref.state_dict()
+    saved = {k: v.clone() for k, v in saved.items()}
+    for b in data[6:]:
+        step(ours, *b)
+    ours.load_state_dict(sd)
+    assert ours.optimizer_step == 6
+    got = ours.export_state_dict()
+    assert all(torch.equal(saved[k], got[k]) for k in saved)
+    for b in data[6:]:  # and training continues from there exactly
+        assert torch.equal(step(ref, *b), step(ours, *b))
+    _, other = pair(tmp_path, SPECS["rowwise_adagrad"], 60, 8, mode="sum", name="other")
+    with pytest.raises(RuntimeError, match="another table's file"):
+        other.load_state_dict(sd)
+    with pytest.raises(RuntimeError, match="snapshot descriptor"):
+        other.load_state_dict(ref.state_dict())
+    ours.close(), other.close()
+
+
+def test_streamed_creation_and_export(tmp_path):
+    torch.manual_seed(11)
+    plain = nn.EmbeddingBag(N, D, mode="sum")  # nn's N(0, 1) init
+    after_plain = torch.randn(3)
+    torch.manual_seed(11)
+    ours = cachedemb.CachedEmbeddingBag(N, D, mode="sum", optimizer=SPECS["sgd"], device="cpu",
+                                        storage=cachedemb.FileStorage(tmp_path / "init.cemb", host_cache_bytes=1 << 16))
+    assert torch.equal(torch.randn(3), after_plain)  # the generator ends where nn's init leaves it
+    assert torch.equal(ours.to_embedding_bag().weight, plain.weight)  # the same draws, streamed in chunks
+    frozen = cachedemb.CachedEmbeddingBag.from_pretrained(plain.weight.detach(), mode="sum", device="cpu",
+                                                          storage=cachedemb.FileStorage(tmp_path / "pre.cemb", 1 << 14))
+    ids, offsets = torch.tensor([1, 2, 399, 4, 2]), torch.tensor([0, 2])
+    assert torch.equal(frozen(ids, offsets), plain(ids, offsets))
+    assert torch.equal(frozen.to_embedding_bag().weight, plain.weight)
+    with pytest.raises(AttributeError, match="not held in memory"):
+        frozen.weight
+    ours.close(), frozen.close()
+
+
+def test_bad_use_is_refused(tmp_path):
+    path = tmp_path / "t.cemb"
+    store = cachedemb.FileStorage(path, host_cache_bytes=1 << 15)
+    with pytest.raises(ValueError, match="fused sparse optimizer"):
+        cachedemb.CachedEmbeddingBag(N, D, storage=store)
+    m = cachedemb.CachedEmbeddingBag(N, D, optimizer=SPECS["sgd"], device="cpu", storage=store)
+    with pytest.raises(InvalidIdError, match="out of range"):
+        m(torch.tensor([1, N]), torch.tensor([0]))
+    m.close()
+    before = path.read_bytes()
+    with pytest.raises(FileExistsError, match="never overwrites"):
+        cachedemb.CachedEmbeddingBag(N, D, optimizer=SPECS["sgd"], _weight=torch.zeros(N, D), storage=store)
+    with pytest.raises(TableMismatchError, match=f"{path}.*not the {N} x 16"):
+        cachedemb.CachedEmbeddingBag(N, 16, optimizer=SPECS["sgd"], storage=store)
+    with pytest.raises(TableMismatchError, match="optimizer state"):
+        cachedemb.CachedEmbeddingBag(N, D, optimizer=SPECS["adam"], storage=store)
+    assert path.read_bytes() == before
+    with pytest.raises(ValueError, match="host_cache_bytes"):
+        cachedemb.FileStorage(path, host_cache_bytes=0)
+
+
+def test_dropped_module_commits_its_rows(tmp_path):
+    """A module dropped without close() is flushed and committed when collected: the file opens cleanly (no
+    dead writer) with every update; copies are refused (the state is the file)."""
+    import copy
+    import gc
+
+    ref, ours = pair(tmp_path, SPECS["adagrad"], 60, 8, mode="sum")
+    for b in batches(seed=9, steps=5):
+        step(ref, *b), step(ours, *b)
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.deepcopy(ours)
+    store = ours.storage
+    del ours
+    gc.collect()
+    again = cachedemb.CachedEmbeddingBag(N, D, mode="sum", cache_rows=8, optimizer=SPECS["adagrad"], device="cpu",
+                                         storage=store)
+    assert again.optimizer_step == 5
+    assert_same_table(ref, again)
+    again.close()
