@@ -680,8 +680,11 @@ class EmbeddingCache:
         slots = torch.where(resident, slots, torch.full_like(slots, self.dump))
         n = torch.full((1,), ids.numel(), dtype=torch.int64, device=self.device)
         self.bump_stats(rows_out=self._write_back(slots, n), evictions=resident.sum().reshape(1))
-        kernels.index_delete(self.index_keys, torch.where(resident, ids, torch.full_like(ids, -1)), ids.numel(),
-                             self._early_exit())
+        if self._live_index == "map":
+            self.id_slot.index_fill_(0, ids.masked_select(resident), -1)
+        else:
+            kernels.index_delete(self.index_keys, torch.where(resident, ids, torch.full_like(ids, -1)), ids.numel(),
+                                 self._early_exit())
         self.slot_ids.index_fill_(0, slots, -1)
         self.dirty.index_fill_(0, slots, False)
         self._n_protected -= (resident & take(self.protected, slots)).sum().reshape(1)
@@ -709,6 +712,10 @@ class EmbeddingCache:
         self.host_freq = freq
         if num_rows > keep:
             self.host_weight[keep:].zero_()
+        if self.id_slot is not None:  # the host map follows the host rows (resident ids lie below keep)
+            id_slot = torch.full((num_rows,), -1, dtype=torch.int32)
+            id_slot[:keep].copy_(self.id_slot[:keep])
+            self.id_slot = id_slot
         self.num_rows = num_rows
 
     def replace_host_table(self, host_weight: torch.Tensor) -> None:
