@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gather import put_rows
 from .dispatch import backend_for, gpu_shapes, persistent_programs
 
 ROW_COPY_MODES = ("zero_copy", "staged")
@@ -62,7 +63,7 @@ def _copy_rows(src2, s, dst2, d, accumulate: bool):
     if accumulate:
         dst2.index_add_(0, d.to(dst2.device), rows)
     else:
-        dst2.index_copy_(0, d.to(dst2.device), rows)
+        put_rows(dst2, d.to(dst2.device), rows)
 
 
 @triton.jit(do_not_specialize=["n_cap", "R_src", "R_dst"])
@@ -200,7 +201,7 @@ def row_copy_staged(src, src_idx, dst, dst_idx, n, accumulate: bool = False):
     if accumulate:
         dst2.index_add_(0, d.to(dst2.device), rows)
     else:
-        dst2.index_copy_(0, d.to(dst2.device), rows)
+        put_rows(dst2, d.to(dst2.device), rows)
 
 
 def row_copy(src, src_idx, dst, dst_idx, n, accumulate: bool = False):
