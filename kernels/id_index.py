@@ -247,9 +247,9 @@ def index_insert_torch(keys, ids, slots, n, early_exit: bool = False, used: torc
 def index_build(keys, ids, slots) -> torch.Tensor:
     """Lay out every (id >= 0, slot) pair from scratch (tombstones cleared) in O(n log n) with no rounds: keys
     sorted by (home, id) take position i + cummax(home - i) (linear probing in that order); the run that wraps
-    past the end is placed at the front. Every key is placed (lookups walk a chain to its end), except where a
-    run wrapped twice, which needs a table nearly full (never at the cache's load <= 5/8): those are reported in
-    ok [n] bool (False). Backend-independent (sort + cummax)."""
+    past the end is placed at the front (a run that wraps again, which needs a table nearly full, is probed for
+    one key at a time). Every key is placed: lookups walk a chain to its end. Returns ok [n] bool (the ids >= 0).
+    Backend-independent (sort + cummax)."""
     size = keys.numel()
     dev = ids.device
     n = ids.numel()
@@ -271,14 +271,20 @@ def index_build(keys, ids, slots) -> torch.Tensor:
     h2 = torch.where(i < n_wrap, torch.zeros_like(h), h)
     pos = i + torch.cummax(h2 - i, 0).values
     placed = live[order] & (pos < size)
-    ok_s = placed
     entry = pack(ids[order].clamp(min=0), slots[order].clamp(min=0))
     table = torch.full((size + 1,), EMPTY, dtype=torch.int64, device=dev)  # + a dump position for the rest
     table.index_put_((torch.where(placed, pos, torch.full_like(pos, size)),), entry)
+    left = live[order] & placed.logical_not()
+    if bool(left.any()):  # the rotated run wrapped again (a table nearly full): probe for the few left, one by one
+        host = table[:size].cpu()
+        for e in entry[left].tolist():
+            p = int(mix_torch(torch.tensor([e >> SLOT_BITS])) & (size - 1))
+            while int(host[p]) != EMPTY:
+                p = (p + 1) & (size - 1)
+            host[p] = e
+        table[:size].copy_(host)
     keys.copy_(table[:size])
-    ok = torch.zeros(n, dtype=torch.bool, device=dev)
-    ok[order] = ok_s
-    return ok
+    return live
 
 
 # ---------------------------------------------------------------- device-gated rebuild (reference)

@@ -54,26 +54,35 @@ def lookup_rows_of(loc_u: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     return loc_u.index_select(0, inverse.clamp(min=0)).clamp(min=0)  # index_select: CPU's fast gather
 
 
-def with_host_rows(rows, loc_u, host_rows):
+def with_host_rows(rows, loc_u, host_rows, spare=None):
     """Reference helper: (table, loc) where rows served from the host (loc <= -2, see HOST_LOC) are appended
-    to the cache rows, so the reference ops index one table. Reads the locations on the host."""
+    to the cache rows, so the reference ops index one table. Reads the locations on the host. `spare`: a buffer
+    whose first rows are `rows` (same memory) with room after them: the host rows are gathered there, sparing a
+    fresh [rows + host rows, D] table (and its page faults) per batch."""
     if host_rows is None or loc_u.numel() == 0:
         return rows, loc_u
     on_host = loc_u <= HOST_LOC
     if not bool(on_host.any()):
         return rows, loc_u
     host_ids = host_loc(loc_u[on_host]).to(host_rows.device)
-    extra = host_rows.index_select(0, host_ids).to(device=rows.device, dtype=rows.dtype)
+    C, n = rows.shape[0], host_ids.numel()
     remapped = loc_u.clone()
-    remapped[on_host] = rows.shape[0] + torch.arange(extra.shape[0], device=loc_u.device)
+    remapped[on_host] = C + torch.arange(n, device=loc_u.device)
+    if spare is not None and spare.shape[0] >= C + n and spare.data_ptr() == rows.data_ptr() and \
+            spare.dtype == rows.dtype == host_rows.dtype and spare.device == rows.device == host_rows.device:
+        table = spare[:C + n]
+        torch.index_select(host_rows, 0, host_ids, out=table[C:])
+        return table, remapped
+    extra = host_rows.index_select(0, host_ids).to(device=rows.device, dtype=rows.dtype)
     return torch.cat([rows, extra]), remapped
 
 
-def pooled_forward_torch(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None, host_rows=None):
+def pooled_forward_torch(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None, host_rows=None,
+                         spare=None):
     """Reference: torch.embedding_bag on the rows each lookup reads. fp32 sum/mean read the cache rows in
     place (padding lookups get weight 0, and mean becomes a weighted sum); max and half precision gather the
-    lookups' rows (in fp32) and pool them with an appended zero pad row."""
-    rows, loc_u = with_host_rows(rows, loc_u, host_rows)
+    lookups' rows (in fp32) and pool them with an appended zero pad row. `spare`: see with_host_rows."""
+    rows, loc_u = with_host_rows(rows, loc_u, host_rows, spare)
     if mode != MODE_MAX and rows.dtype in (torch.float32, torch.float64):
         return _pooled_in_place(rows, loc_u, inverse, offsets, mode, per_sample_weights), None
     n_lookups = inverse.numel()
@@ -269,7 +278,7 @@ def pooled_forward_triton(rows, loc_u, inverse, offsets, mode: int, per_sample_w
 
 
 def pooled_forward(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=None, host_rows=None, bag_out=None,
-                   count_out=None):
+                   count_out=None, spare=None):
     """(out, max_pos); `bag_out` / `count_out` (optional): see pooled_forward_triton (the reference fills them with
     torch ops)."""
     if backend_for(rows.device) == "triton":
@@ -284,4 +293,4 @@ def pooled_forward(rows, loc_u, inverse, offsets, mode: int, per_sample_weights=
         if count_out is not None:
             count = torch.zeros(lengths.numel(), dtype=count_out.dtype, device=offsets.device)
             count_out.copy_(count.index_add_(0, bag, (inverse >= 0).to(count.dtype)).clamp(min=1))
-    return pooled_forward_torch(rows, loc_u, inverse, offsets, mode, per_sample_weights, host_rows)
+    return pooled_forward_torch(rows, loc_u, inverse, offsets, mode, per_sample_weights, host_rows, spare)

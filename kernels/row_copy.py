@@ -9,12 +9,14 @@ read outside the tables. 1-D tensors are treated as [R, 1].
 
 import contextlib
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from .gather import put_rows
 from .dispatch import backend_for, gpu_shapes, persistent_programs
 
 ROW_COPY_MODES = ("zero_copy", "staged")
@@ -52,11 +54,16 @@ def _copy_rows(src2, s, dst2, d, accumulate: bool):
     """dst2[d[i]] = src2[s[i]] (or +=) for the selected pairs."""
     if s.numel() == 0:
         return
-    rows = src2.index_select(0, s.to(src2.device)).to(device=dst2.device, dtype=dst2.dtype)
+    if src2.device.type == dst2.device.type == "cpu" and src2.dtype == dst2.dtype:
+        # into a reused scratch block: a fresh [n, D] gather page-faults its memory in on every call (~4x the
+        # copy itself for a few MB)
+        rows = torch.index_select(src2, 0, s, out=_CPU_SCRATCH.get(src2.dtype, s.numel(), src2.shape[1]))
+    else:
+        rows = src2.index_select(0, s.to(src2.device)).to(device=dst2.device, dtype=dst2.dtype)
     if accumulate:
         dst2.index_add_(0, d.to(dst2.device), rows)
     else:
-        dst2.index_copy_(0, d.to(dst2.device), rows)
+        put_rows(dst2, d.to(dst2.device), rows)
 
 
 @triton.jit(do_not_specialize=["n_cap", "R_src", "R_dst"])
@@ -146,6 +153,24 @@ class _StagingBuffer:
 _STAGING = _StagingBuffer()
 
 
+class _ScratchRows(threading.local):
+    """Reused CPU blocks per (dtype, columns) for the reference's row gathers, grown by doubling; one set per
+    thread (a read-ahead thread copies too); never read after the call that filled it."""
+
+    def __init__(self):
+        self.buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+
+    def get(self, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+        buf = self.buffers.get((dtype, cols))
+        if buf is None or buf.numel() < rows * cols:
+            buf = torch.empty(triton.next_power_of_2(max(rows, 64)) * cols, dtype=dtype)
+            self.buffers[(dtype, cols)] = buf
+        return buf[: rows * cols].view(rows, cols)
+
+
+_CPU_SCRATCH = _ScratchRows()
+
+
 def row_copy_staged(src, src_idx, dst, dst_idx, n, accumulate: bool = False):
     """Fallback for host<->cuda copies: the pairs are read on the host (a sync), host rows are gathered into the
     reused staging buffer and copied asynchronously; rows for the host are gathered on the device, staged and
@@ -176,7 +201,7 @@ def row_copy_staged(src, src_idx, dst, dst_idx, n, accumulate: bool = False):
     if accumulate:
         dst2.index_add_(0, d.to(dst2.device), rows)
     else:
-        dst2.index_copy_(0, d.to(dst2.device), rows)
+        put_rows(dst2, d.to(dst2.device), rows)
 
 
 def row_copy(src, src_idx, dst, dst_idx, n, accumulate: bool = False):

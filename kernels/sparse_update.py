@@ -35,6 +35,7 @@ from .bag_backward import (
     unique_grad_torch,
 )
 from .dispatch import backend_for, on_device, soft_rtne
+from .gather import put_rows
 from .pooled_forward import (
     HOST_LOC,
     MODE_MAX,
@@ -113,25 +114,25 @@ def _update_rows(rows, states, idx, g, rule: UpdateRule):
         s.add_(g.pow(2))
         std = s.sqrt().add_(rule.eps)
         w.add_(g / std, alpha=-rule.lr)
-        st.index_copy_(0, idx, s.to(st.dtype))
+        put_rows(st, idx, s.to(st.dtype))
     elif rule.kind == ROWWISE_ADAGRAD:
         (st,) = states
         s = st.index_select(0, idx).to(acc)
         s.add_(g.pow(2).mean(1, keepdim=True))
         w.addcdiv_(g, s.sqrt().add_(rule.eps), value=-rule.lr)
-        st.index_copy_(0, idx, s.to(st.dtype))
+        put_rows(st, idx, s.to(st.dtype))
     else:
         exp_avg, exp_avg_sq = states
         m_old = exp_avg.index_select(0, idx).to(acc)
         v_old = exp_avg_sq.index_select(0, idx).to(acc)
         m_upd = g.sub(m_old).mul_(1 - rule.beta1)
         v_upd = g.pow(2).sub_(v_old).mul_(1 - rule.beta2)
-        exp_avg.index_copy_(0, idx, (m_old + m_upd).to(exp_avg.dtype))
-        exp_avg_sq.index_copy_(0, idx, (v_old + v_upd).to(exp_avg_sq.dtype))
+        put_rows(exp_avg, idx, (m_old + m_upd).to(exp_avg.dtype))
+        put_rows(exp_avg_sq, idx, (v_old + v_upd).to(exp_avg_sq.dtype))
         numer = m_upd.add_(m_old)
         denom = v_upd.add_(v_old).sqrt_().add_(rule.eps)
         w.add_(numer.div_(denom).mul_(-rule.step_size))
-    rows.index_copy_(0, idx, w.to(rows.dtype))
+    put_rows(rows, idx, w.to(rows.dtype))
 
 
 RULE_IDS = {SGD: 0, ADAGRAD: 1, ROWWISE_ADAGRAD: 2, ADAM: 3}

@@ -17,18 +17,28 @@ from .dispatch import backend_for, gpu_shapes, on_device
 PAD_ID = -1
 
 
+_INT32_MAX = (1 << 31) - 1
+
+
 def unique_ids_torch(ids: torch.Tensor, padding_idx: int | None = None, return_groups: bool = False,
-                     sort: tuple[torch.Tensor, torch.Tensor] | None = None):
+                     sort: tuple[torch.Tensor, torch.Tensor] | None = None, id_bound: int | None = None):
     """Reference: torch.unique, then the padding id (if present) removed from the unique set. With
     `return_groups` the same outputs come from one stable sort of the ids (runs by `unique_consecutive`, the
     inverse scattered back through the sort), and the groups from that sort (`groups_of_sort`), so no second
     sort (of the inverse, as `lookup_groups` does) is needed. `sort`: (sorted ids, permutation) of that stable
-    sort, done earlier (the prefetch read-ahead sorts each batch once, when it reads it)."""
+    sort, done earlier (the prefetch read-ahead sorts each batch once, when it reads it). `id_bound`: every id
+    lies in [-1, id_bound) (a checked table's rows): below 2^31 they are sorted as int32, twice as fast on CPU,
+    with the same result."""
     n_lookups = ids.numel()
     ids = ids.reshape(-1).to(torch.int64)
     if return_groups:
-        s_ids, s_perm = torch.sort(ids, stable=True) if sort is None else sort
+        if sort is None:
+            small = id_bound is not None and id_bound <= _INT32_MAX and (padding_idx is None or
+                                                                         -1 <= padding_idx <= _INT32_MAX)
+            sort = torch.sort(ids.to(torch.int32) if small else ids, stable=True)
+        s_ids, s_perm = sort
         uniq, s_inverse, counts = torch.unique_consecutive(s_ids, return_inverse=True, return_counts=True)
+        uniq = uniq.to(torch.int64)
         inverse = torch.empty_like(s_inverse).scatter_(0, s_perm, s_inverse)
     else:
         uniq, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
@@ -194,8 +204,9 @@ def groups_of_sort(s_ids, s_perm, counts, padding_idx: int | None = None):
     return perm, ptr
 
 
-def unique_ids(ids: torch.Tensor, padding_idx: int | None = None, return_groups: bool = False, buffers=None):
+def unique_ids(ids: torch.Tensor, padding_idx: int | None = None, return_groups: bool = False, buffers=None,
+               id_bound: int | None = None):
     if backend_for(ids.device) == "triton":
         with on_device(ids):
             return unique_ids_triton(ids, padding_idx, return_groups, buffers)
-    return unique_ids_torch(ids, padding_idx, return_groups)
+    return unique_ids_torch(ids, padding_idx, return_groups, id_bound=id_bound)

@@ -73,6 +73,7 @@ def place_batch(cache, uniq, n_uniq, policy: Policy, bufs: BatchBuffers, sizes, 
     C = cache.capacity
     U = uniq.numel()
     counters = bufs.counters
+    cache._use_hash()
     counts = counts if counts is not None else uniq
     stat_index = cache.stat_index
     kernels.place_lookup(cache.index_keys, uniq, counts, n_uniq, cache.protected, cache.hit_mark, bufs.loc_u,

@@ -133,6 +133,7 @@ class EmbeddingCache:
         else:
             self.host_freq.copy_(host_freq)
         self.rows = torch.empty(0, dim, dtype=self.dtype, device=self.device)
+        self.rows_spare = None
         self.maybe_dirty = False  # host-side: set when rows are marked dirty, cleared by flush / reload
         self.generation = 0
         self.batch_counter = 0
@@ -189,16 +190,33 @@ class EmbeddingCache:
         # The id index packs each resident id with its slot in one int64 entry; index_slots stays empty.
         self.index_keys = id_index.new_index(self.capacity, dev)
         self.index_slots = torch.empty(0, dtype=torch.int64, device=dev)
-        # Host-side bound on the table positions not EMPTY (resident ids + tombstones): a rebuild clears the
-        # tombstones before it passes 5/8 of the table, so probe chains stay short. Under the CUDA rules the
-        # count is kept on the device (`index_used`) and the rebuild is gated there.
-        self._index_used = 0
+        # Bound on the table positions not EMPTY (resident ids + tombstones): a rebuild clears the tombstones
+        # before they pass 5/8 of the table, so probe chains stay short; the count is kept on the device
+        # (`index_used`) and the rebuild is gated there (cachedemb/cache/device_place.py).
         self.index_used = torch.zeros(1, dtype=torch.int64, device=dev)
+        # The host-count path (CPU) keeps a dense host map instead, `id_slot` [num_rows] int32 (-1: not resident;
+        # 4 B per table row in host memory, beside the counts' 8): a lookup is one gather, an admission one
+        # scatter, no rebuild. One structure is live at a time; a path finding the other's rebuilds its own from
+        # slot_ids (O(cache), at a switch of sizing rules only).
+        self.id_slot = None
+        self._live_index = "hash"
         self._index_limit = (id_index.index_size(self.capacity) * 5) // 8
         self.victim_pool = VictimPool(self.capacity, dev)
 
-    def _set_rows(self, data: torch.Tensor) -> None:
-        self.rows = data
+    def _set_rows(self, data: torch.Tensor, spare: int = 0) -> None:
+        """The cache rows; on CPU they are the first C rows of `rows_spare`, a buffer with room for `spare` more:
+        the host-served rows of a batch are gathered there for the reference forward (kernels.with_host_rows)."""
+        if data.device.type != "cpu":
+            self.rows, self.rows_spare = data, None
+            return
+        buf = torch.empty(data.shape[0] + spare, data.shape[1], dtype=data.dtype)
+        buf[: data.shape[0]].copy_(data)
+        self.rows, self.rows_spare = buf[: data.shape[0]], buf
+
+    def _reserve_spare(self, rows: int) -> None:
+        """Room for `rows` host-served rows after the cache rows (CPU), grown by doubling."""
+        if self.rows_spare is not None and self.rows_spare.shape[0] - self.rows.shape[0] < rows:
+            self._set_rows(self.rows, max(rows, 2 * (self.rows_spare.shape[0] - self.rows.shape[0])))
 
     @property
     def total_slots(self) -> int:
@@ -271,31 +289,32 @@ class EmbeddingCache:
         return counts_on_host(self.device)
 
     def _rebuild_index(self) -> None:
-        """Lay the index out afresh from slot_ids (O(cache), tombstones cleared). A resident id the bounded probe
-        could not reach (astronomically rare at this load) is evicted: written back, its slot emptied."""
+        """Lay the index out afresh from slot_ids (O(cache), tombstones cleared; every resident id placed, no
+        slot moves)."""
         start = time.perf_counter()
         ids = self.slot_ids[: self.capacity]
-        slots = torch.arange(self.capacity, device=self.device)
-        ok = id_index.index_build(self.index_keys, ids, slots)
-        dropped = (ids >= 0) & ok.logical_not()
-        none = torch.full_like(ids, -1)
-        dirty_ids = torch.where(dropped & self.dirty[: self.capacity], ids, none)
-        self._copy_out(slots, dirty_ids, torch.where(dropped, ids, none), self.capacity)
-        self.bump_stats(rows_out=(dirty_ids >= 0).sum().reshape(1), evictions=dropped.sum().reshape(1))
-        drop_slots = torch.where(dropped, slots, torch.full_like(slots, self.dump))
-        self.slot_ids.index_fill_(0, drop_slots, -1)
-        self.dirty.index_fill_(0, drop_slots, False)
-        self._index_used = self._on_host((ids >= 0).sum(), self.capacity)
+        id_index.index_build(self.index_keys, ids, torch.arange(self.capacity, device=self.device))
         self.index_used.copy_((self.index_keys != id_index.EMPTY).sum().reshape(1))
-        if self._on_host(dropped.sum(), 1):  # emptied slots score below the pool's bound
-            self.victim_pool.invalidate()
         self.seconds["index_rebuild"] += time.perf_counter() - start
 
-    def _index_reserve(self, count: int) -> None:
-        """Up to `count` ids may be inserted next: rebuild first if they could push the index past its limit."""
-        if self._index_used + count > self._index_limit:
+    def _use_map(self) -> torch.Tensor:
+        """The dense host map, live (rebuilt from slot_ids when the hash index was)."""
+        if self._live_index != "map":
+            if self.id_slot is None:
+                self.id_slot = torch.full((self.num_rows,), -1, dtype=torch.int32)
+            else:
+                self.id_slot.fill_(-1)
+            ids = self.slot_ids[: self.capacity].cpu()
+            live = ids >= 0
+            self.id_slot[ids[live]] = torch.arange(self.capacity, dtype=torch.int32)[live]
+            self._live_index = "map"
+        return self.id_slot
+
+    def _use_hash(self) -> None:
+        """The device hash index, live (rebuilt from slot_ids when the map was)."""
+        if self._live_index != "hash":
             self._rebuild_index()
-        self._index_used += count
+            self._live_index = "hash"
 
     # ----------------------------------------------------------------- per-batch planning
     def prepare(self, ids: torch.Tensor, padding_idx: int | None = None, train: bool = True) -> BatchPlan:
@@ -315,7 +334,8 @@ class EmbeddingCache:
             return self._prepare_device(ids, padding_idx, train, start, admit=not in_window)
         ahead = take_ahead(ahead, ids, padding_idx, self.slot_ids)
         uniq, inverse, counts, n_uniq, groups = (ahead[0] if ahead else
-                                                 kernels.unique_ids(ids, padding_idx, return_groups=True))
+                                                 kernels.unique_ids(ids, padding_idx, return_groups=True,
+                                                                    id_bound=self.num_rows))
         # Per-unique buffers: exactly n long on CPU (free to know there), the fixed capacity B on CUDA.
         cap = self._on_host(n_uniq, n_lookups)
         uniq, counts = uniq[:cap], counts[:cap]
@@ -543,10 +563,9 @@ class EmbeddingCache:
         dev = self.device
         cap = uniq.numel()
         early = self._early_exit()
-        # Before the lookup: a rebuild may (very rarely) evict a row, which must not be one of this batch's hits.
-        self._index_reserve(min(cap, self.capacity))
-        slot = kernels.index_lookup(self.index_keys, uniq, n_uniq, early)
+        id_slot = self._use_map()
         live = torch.arange(cap, device=dev) < n_uniq
+        slot = torch.where(live, take(id_slot, uniq.clamp(min=0)).to(torch.int64), -1)
         is_hit = live & (slot >= 0)
         is_miss = live & (slot < 0)
         n_hit = is_hit.sum().reshape(1)
@@ -571,7 +590,7 @@ class EmbeddingCache:
 
         n_admit = torch.minimum(n_miss, n_free)
         miss_count = self._on_host(n_miss, cap)
-        self._index_used -= min(cap, self.capacity) - min(miss_count, self.capacity)  # exact where counts are free
+        self._reserve_spare(miss_count)  # the forward gathers the host-served rows (at most the misses) there
         k = max(1, min(miss_count, self.capacity))
         victims = None
         if miss_count > 0:
@@ -597,20 +616,13 @@ class EmbeddingCache:
         loc_u = torch.where(is_hit, slot, torch.where(is_miss, dest, torch.full_like(slot, -1)))
         move = None
         if miss_count > 0:
-            # Index first: the evicted ids out, then the admitted ones in; a miss the bounded probe cannot place
-            # (rare) is served from the host and leaves its victim slot empty.
+            # The map first: the evicted ids out, then the admitted ones in (every one finds its place).
             old_ids = take(self.slot_ids, victims)
             used = torch.arange(k, device=dev) < n_admit
-            kernels.index_delete(self.index_keys, torch.where(used, old_ids, torch.full_like(old_ids, -1)), k, early)
+            id_slot.index_fill_(0, old_ids.masked_select(used & (old_ids >= 0)), -1)
             admitted = is_miss & (dest >= 0)
-            placed = kernels.index_insert(self.index_keys, torch.where(admitted, uniq, torch.full_like(uniq, -1)),
-                                          dest, cap, early, self.index_used)
-            unplaced = admitted & placed.logical_not()
-            dest = torch.where(unplaced, overflow, dest)
-            loc_u = torch.where(unplaced, overflow, loc_u)
-            n_unplaced = unplaced.sum().reshape(1)
-            n_admit_used = n_admit - n_unplaced
-            self.bump_stats(rows_in=n_admit_used, host_rows=n_miss - n_admit_used)
+            id_slot.index_put_((uniq.masked_select(admitted),), dest.masked_select(admitted).to(torch.int32))
+            self.bump_stats(rows_in=n_admit, host_rows=n_miss - n_admit)
             rank_slot = torch.where(is_miss, rank, torch.full_like(rank, cap))
             miss_ids = torch.full((cap + 1,), -1, dtype=torch.int64, device=dev)
             miss_dest = torch.full((cap + 1,), -1, dtype=torch.int64, device=dev)
@@ -688,10 +700,16 @@ class EmbeddingCache:
         kernels.row_copy(self.host_weight, src, self.rows, plan.loc_u, plan.n_uniq)
 
     def slots_of(self, ids: torch.Tensor) -> torch.Tensor:
-        """Cache slot of each id (-1 if not resident), by the id index: O(len(ids)), no host sync."""
+        """Cache slot of each id (-1 if not resident or out of range), by the id index: O(len(ids)), no host
+        sync (the host map on the host-count path)."""
         ids = ids.to(device=self.device, dtype=torch.int64)
+        if self._early_exit():
+            valid = (ids >= 0) & (ids < self.num_rows)
+            found = take(self._use_map(), torch.where(valid, ids, 0)).to(torch.int64)
+            return torch.where(valid, found, -1)
+        self._use_hash()
         n = torch.full((1,), ids.numel(), dtype=torch.int64, device=self.device)
-        return kernels.index_lookup(self.index_keys, ids, n, self._early_exit())
+        return kernels.index_lookup(self.index_keys, ids, n, False)
 
     def reread_rows(self, ids: torch.Tensor) -> None:
         """After the host rows `ids` (weight, optimizer state, count) were rewritten by their owner: overwrite
@@ -716,8 +734,11 @@ class EmbeddingCache:
         slots = torch.where(resident, slots, torch.full_like(slots, self.dump))
         n = torch.full((1,), ids.numel(), dtype=torch.int64, device=self.device)
         self.bump_stats(rows_out=self._write_back(slots, n), evictions=resident.sum().reshape(1))
-        kernels.index_delete(self.index_keys, torch.where(resident, ids, torch.full_like(ids, -1)), ids.numel(),
-                             self._early_exit())
+        if self._live_index == "map":
+            self.id_slot.index_fill_(0, ids.masked_select(resident), -1)
+        else:
+            kernels.index_delete(self.index_keys, torch.where(resident, ids, torch.full_like(ids, -1)), ids.numel(),
+                                 self._early_exit())
         self.slot_ids.index_fill_(0, slots, -1)
         self.dirty.index_fill_(0, slots, False)
         self._n_protected -= (resident & take(self.protected, slots)).sum().reshape(1)
@@ -745,6 +766,10 @@ class EmbeddingCache:
         self.host_freq = freq
         if num_rows > keep:
             self.host_weight[keep:].zero_()
+        if self.id_slot is not None:  # the host map follows the host rows (resident ids lie below keep)
+            id_slot = torch.full((num_rows,), -1, dtype=torch.int32)
+            id_slot[:keep].copy_(self.id_slot[:keep])
+            self.id_slot = id_slot
         self.num_rows = num_rows
 
     def replace_host_table(self, host_weight: torch.Tensor) -> None:
@@ -776,6 +801,7 @@ class EmbeddingCache:
         self.slot_ids[: ids.numel()] = ids
         self.victim_pool.invalidate()
         self._rebuild_index()
+        self._live_index = "hash"
 
     def set_tables(self, starts) -> None:
         """Tell the policies which rows belong to which table (ascending first rows, one per table, the first

@@ -69,7 +69,7 @@ class _PooledLookup(torch.autograd.Function):
             count = torch.empty(bags.offsets.numel() - 1, dtype=kernels.acc_dtype(cache.dtype), device=cache.device)
         out, max_pos = kernels.pooled_forward(cache.rows, plan.loc_u, plan.inverse, bags.offsets, bags.mode, psw,
                                               cache.host_weight, bag_out=plan.bag if record else None,
-                                              count_out=count)
+                                              count_out=count, spare=cache.rows_spare)
         ctx.owner, ctx.plan, ctx.bags, ctx.max_pos = owner, plan, bags, max_pos
         ctx.recorded, ctx.bag_count = record, count
         ctx.save_for_backward(psw)

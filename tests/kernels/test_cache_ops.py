@@ -256,7 +256,6 @@ def test_cache_prepare_same_on_both_backends(policy, sync_free, monkeypatch):
     """EmbeddingCache.prepare over a few batches: the Triton ops must leave the cache exactly as the references (the
     id index answering every lookup the same: its layout follows the order the inserts ran in)."""
     from cachedemb.cache.embedding_cache import EmbeddingCache
-    from cachedemb.kernels.id_index import index_lookup_torch
 
     monkeypatch.setenv("CACHEDEMB_SYNC_FREE", "1" if sync_free else "0")
     g = gen(3)
@@ -278,7 +277,7 @@ def test_cache_prepare_same_on_both_backends(policy, sync_free, monkeypatch):
     assert_same(cache_k.rows.data, cache_t.rows.data, "rows")
     every_id = torch.arange(-1, 121, device=DEVICE)
     for cache in (cache_t, cache_k):
-        found = index_lookup_torch(cache.index_keys, every_id, every_id.numel())
+        found = cache.slots_of(every_id)  # the live index: the hash index, or the host map (host counts)
         resident = torch.full((122,), -1, dtype=torch.int64, device=DEVICE)
         live = cache.slot_ids[:32] >= 0
         resident[cache.slot_ids[:32][live] + 1] = torch.arange(32, device=DEVICE)[live]
