@@ -204,7 +204,9 @@ def rank_compact_kernel(p_score, p_hit_mark, p_aux, p_pool, p_state, o_sortbuf, 
             o_s = i_b * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
             m_s = o_s < C
             b_score = tl.load(p_score + o_s, mask=m_s, other=0x7FFFFFFFFFFFFFFF)
-            m_take = m_s & ((b_score < thr) | ((b_score == thr) & real))
+            # score < T, or == T when T is a real score: <= T, or <= T - 1 (T = INT64_MAX then, no overflow);
+            # tensor compares only (Triton 3.9's interpreter refuses a mask mixed with the scalar `real`)
+            m_take = m_s & (b_score <= tl.where(real, thr, thr - 1))
             n_take = tl.sum(m_take.to(tl.int64), 0)
             base = tl.atomic_add(p_aux + 6, n_take, sem="relaxed")
             b_pos = base + tl.cumsum(m_take.to(tl.int64), 0) - 1
