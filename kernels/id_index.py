@@ -254,6 +254,8 @@ def index_build(keys, ids, slots) -> torch.Tensor:
     dev = ids.device
     n = ids.numel()
     live = ids >= 0
+    if n > size and int(live.sum()) > size:
+        raise ValueError(f"index_build: {int(live.sum())} ids do not fit an index of {size} positions")
     home = torch.where(live, _home(ids, size), torch.full_like(ids, 2 * size))
     # One sort by (home, id): home < 2^30 and id < 2^33 pack into one int64 (dead ids last).
     order = torch.argsort((home << 33) | ids.clamp(min=0))

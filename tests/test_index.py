@@ -242,3 +242,31 @@ def test_host_count_paths_equal_the_windowed_reference(kind):
         assert torch.equal(found[0][0], found[1][0]) and torch.equal(found[0][1], found[1][1])
         assert (found[0][1][: resident.numel()] >= 0).all()
     assert (keys[True] == X.TOMB).any()  # the tombstone case was exercised
+
+
+def test_build_refuses_more_ids_than_positions():
+    keys = X.new_index(4, "cpu")
+    ids = torch.arange(keys.numel() + 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        X.index_build(keys, ids, ids)
+
+
+def test_host_row_index_grows_past_the_rows_it_was_sized_for():
+    """The file tier's host index (storage/host_cache.RowIndex) is sized for its slab; staging rows (a batch
+    larger than the slab) can hold many more ids. It grows instead of filling up (a full index never ends a
+    rebuild's probe), and every id stays found."""
+    from cachedemb.storage.host_cache import RowIndex
+
+    import numpy as np
+
+    index = RowIndex(8)
+    live_ids, live_rows = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    rng = np.random.default_rng(0)
+    for step in range(6):
+        ids = rng.choice(10 ** 9, size=40 * (step + 1), replace=False).astype(np.int64)
+        ids = ids[~np.isin(ids, live_ids)]
+        rows = np.arange(live_rows.size, live_rows.size + ids.size, dtype=np.int64)
+        index.insert(ids, rows, lambda: (live_ids, live_rows))
+        live_ids, live_rows = np.concatenate([live_ids, ids]), np.concatenate([live_rows, rows])
+        assert np.array_equal(index.lookup(live_ids), live_rows)
+    assert index.keys.numel() >= 4 * live_ids.size // 2

@@ -69,7 +69,16 @@ class RowIndex:
     def insert(self, ids: np.ndarray, rows: np.ndarray, live) -> None:
         """Insert absent `ids` at `rows`; `live()` gives the other resident (ids, rows), for a rebuild."""
         if self.used + ids.size > self.limit:
-            self.rebuild(*live())
+            l_ids, l_rows = live()
+            # Staging rows (a batch larger than the slab) can outgrow the index it was sized for: keep the
+            # load at most 1/4 after the rebuild, as at construction.
+            size = self.keys.numel()
+            while 4 * (l_ids.size + ids.size) > size:
+                size *= 2
+            if size != self.keys.numel():
+                self.keys = torch.full((size,), id_index.EMPTY, dtype=torch.int64)
+                self.limit = size * 5 // 8
+            self.rebuild(l_ids, l_rows)
         q, r = torch.from_numpy(ids), torch.from_numpy(rows)
         ok = kernels.index_insert(self.keys, q, r, torch.tensor([q.numel()]), True)
         self.used += ids.size
@@ -84,12 +93,8 @@ class RowIndex:
         kernels.index_delete(self.keys, q, q.numel(), True)
 
     def rebuild(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        ok = id_index.index_build(self.keys, torch.from_numpy(ids), torch.from_numpy(rows))
-        if not bool(ok.all()):
-            self.keys = torch.full((2 * self.keys.numel(),), id_index.EMPTY, dtype=torch.int64)
-            self.limit = self.keys.numel() * 5 // 8
-            self.rebuild(ids, rows)
-            return
+        # index_build places every id (a lookup walks a chain to its end); it returns which ids were live
+        id_index.index_build(self.keys, torch.from_numpy(ids), torch.from_numpy(rows))
         self.used = ids.size
 
     @property

@@ -319,6 +319,20 @@ def library_workload(device="cpu", dims=WORKLOAD_DIMS, dtypes=("float32", "bfloa
     keys = torch.arange(0, 2 * rows, 2, device=device)
     kernels.slot_lookup(keys, torch.arange(rows, device=device), torch.arange(n, device=device),
                         torch.tensor([n - 1], device=device))
+    # the id index and the multi-tensor row copy, which the CPU host-count path no longer reaches (it keeps a
+    # dense id -> slot map) but the CUDA caches use
+    from cachedemb.kernels import id_index
+
+    index = id_index.new_index(rows, device)
+    ids = torch.randperm(rows, generator=gen)[:n].to(device)
+    count = torch.tensor([n - 1], device=device)
+    id_index.index_insert(index, ids, torch.arange(n, device=device), count)
+    id_index.index_lookup(index, ids, count)
+    id_index.index_delete(index, ids[: n // 2], torch.tensor([n // 2], device=device))
+    src, dst = torch.randn(rows, dims[0], generator=gen).to(device), torch.zeros(rows, dims[0], device=device)
+    freq_src, freq_dst = torch.arange(rows, device=device), torch.zeros(rows, dtype=torch.int64, device=device)
+    kernels.row_copy_many([kernels.RowCopy(src, ids, dst, ids), kernels.RowCopy(freq_src, ids, freq_dst, ids)],
+                          count)
 
 
 def launched_kernels(package: str = "cachedemb.kernels") -> set[str]:
