@@ -221,8 +221,11 @@ def _prefetch_job(rank: int, world: int):
         queued = list(_pf_train(model, batches, it, log))
         runs[use_prefetch] = (log, gather_full_state_dict(model), model)
         if use_prefetch:
-            # Horizon 3: while batch i trains, batches i+1, i+2 are exchanged and remapped by their owners.
-            assert [q["s"] for q in queued] == [(2, 2)] * (PF_STEPS - 2) + [(1, 1), (0, 0)], (rank, queued)
+            # While batch i trains, the read-ahead distance (horizon + 2 x depth) of batches after it are
+            # exchanged and remapped by their owners, fewer near the end.
+            ahead = [min(it.read_ahead, PF_STEPS - 1 - i) for i in range(PF_STEPS)]
+            assert it.read_ahead == 3 + 2 * 2
+            assert [q["s"] for q in queued] == [(a, a) for a in ahead], (rank, queued)
             assert sum(it.window_batches) == PF_STEPS, it.window_batches
     (off_log, off_state, off_model), (on_log, on_state, on_model) = runs[False], runs[True]
     for step, (a, b) in enumerate(zip(off_log, on_log)):

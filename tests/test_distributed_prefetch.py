@@ -92,6 +92,7 @@ def prefetch_worker(rank: int, world: int) -> dict:
         if use_prefetch:
             seen["bag_queued"] = queued  # batches exchanged ahead while each forward ran
             seen["bag_windows"] = list(it.window_batches)
+            seen["read_ahead"] = it.read_ahead
         if not HAS_TORCHREC:  # the collection's batches are KeyedJaggedTensors
             continue
         torch.manual_seed(0)
@@ -117,10 +118,13 @@ def prefetch_worker(rank: int, world: int) -> dict:
 
 def check_prefetch_results(seen: list[dict]) -> None:
     for rank, s in enumerate(seen):
-        # Horizon 3: while batch i runs, batches i+1.. i+2 (fewer near the end) were already exchanged.
-        assert s["bag_queued"] == [2, 2, 2, 1, 0], (rank, s)
+        # While batch i runs, the read-ahead distance (horizon + 2 x depth: the horizon of the window planned
+        # furthest ahead) of batches after it were already exchanged, fewer near the end.
+        assert s["read_ahead"] == 3 + 2 * 2, (rank, s)
+        ahead = [min(s["read_ahead"], STEPS - 1 - i) for i in range(STEPS)]
+        assert s["bag_queued"] == ahead, (rank, s)
         if HAS_TORCHREC:
-            assert s["collection_queued"] == [4, 4, 4, 2, 0], (rank, s)  # two tables, each its own exchange
+            assert s["collection_queued"] == [2 * a for a in ahead], (rank, s)  # two tables, each its own exchange
         assert sum(s["bag_windows"]) == STEPS, (rank, s)  # every batch served by an admitted window
 
 
