@@ -54,6 +54,50 @@ def test_next_use_bookkeeping_matches_a_scan_of_the_horizon(num, span, horizon):
         tracker.first_use(query, 0, horizon)
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("share", [0, None])
+def test_slot_uses_moved_on_between_windows_match_a_scan(seed, share, monkeypatch):
+    """slot_uses keeps its last answer and moves it to the next window's range (O(changed slots + the batches
+    that entered or left the range)): windows of 1-4 batches, few slots changing, the read-ahead running ahead
+    by a varying distance, the map growing and laid out anew as the id range widens, the source ending. With
+    share 0 every call that can moves the last answer on; with the default, only where that is cheaper."""
+    from cachedemb.prefetch import next_use
+
+    if share is not None:
+        monkeypatch.setattr(next_use, "SLIDE_SHARE", share)
+    slides = []
+    real_slide = NextUseTracker._slide
+    monkeypatch.setattr(NextUseTracker, "_slide", lambda self, *a: slides.append(real_slide(self, *a)) or slides[-1])
+    rng = np.random.default_rng(seed)
+    span, horizon, steps = 40, 16, 150
+    batches = [torch.unique(torch.from_numpy(rng.integers(0, 50 + 20 * b, rng.integers(0, 60))))
+               for b in range(steps)]
+    sets = [set(b.tolist()) for b in batches]
+    tracker = NextUseTracker(None, span=span)
+    slots = torch.from_numpy(np.where(rng.random(300) < 0.2, -1, rng.permutation(400)[:300]))
+    read, now, calls, relayouts = 0, 0, 0, set()
+    while now < steps:
+        while read < min(steps, now + horizon + int(rng.integers(0, span - horizon))):
+            tracker.enter(read, batches[read])
+            read += 1
+        # a cache's slots hold distinct ids (-1: empty): changed slots take ids no slot holds
+        changed = np.flatnonzero(rng.random(slots.numel()) < rng.choice([0.0, 0.02, 0.3]))
+        fresh = np.setdiff1d(rng.permutation(400 + 20 * now), slots.numpy())[: changed.size]
+        slots = slots.clone()
+        slots[changed[: fresh.size]] = torch.from_numpy(np.where(rng.random(fresh.size) < 0.1, -1, fresh))
+        end = min(now + horizon, read)
+        expected = [scan(sets, i, now, end) if i >= 0 else -1 for i in slots.tolist()]
+        got = tracker.slot_uses(slots, now, horizon)
+        assert got.tolist() == expected, (now, read)
+        got.fill_(7)  # the caller's copy: changing it changes nothing kept
+        relayouts.add(tracker.map.relayouts)
+        calls += 1
+        now += int(rng.integers(1, 5))
+    assert calls > 40 and len(relayouts) > 1
+    if share == 0:
+        assert sum(s is not None for s in slides) > calls // 3  # the moved-on answers were checked
+
+
 def test_next_use_bookkeeping_holds_the_horizon_not_the_table():
     """A 1B-row table and a 1M-row one with the same batches' worth of distinct ids cost the same; nothing in the
     tracker is sized by the table."""

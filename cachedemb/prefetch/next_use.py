@@ -33,6 +33,9 @@ def lowest_bit(x: torch.Tensor) -> torch.Tensor:
     return torch.frexp((x & -x).to(torch.float64)).exponent.to(torch.int64) - 1
 
 
+SLIDE_SHARE = 4  # move the last answer on only where it touches under 1/4 of the slots' worth of ids
+
+
 class NextUseTracker:
     """Uses of each id among the batches read ahead (see the module docstring).
 
@@ -53,6 +56,9 @@ class NextUseTracker:
         self.retired_upto = 0  # the origin of `next_use[...]`
         # the slot ids of the last `slot_uses`, their (pinned) map positions, the map's relayout count then
         self._slots = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), -1)
+        # the last `slot_uses` answer (lo, hi, first uses), moved on by the next call; the slot at each map position
+        self._uses: tuple[int, int, torch.Tensor] | None = None
+        self._slot_at: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- entering batches
     def _bit(self, batch: int) -> tuple[int, int]:
@@ -151,7 +157,9 @@ class NextUseTracker:
     def slot_uses(self, ids: torch.Tensor, now: int, horizon: int) -> torch.Tensor:
         """`first_use` for a cache's slot ids (-1: empty slot). Their map positions are pinned and kept between
         calls (an absent id is added with no uses; later batches set its bits there), so a call finds only the
-        ids of slots that changed since the last one: O(changed) probes, plus O(slots) gathers."""
+        ids of slots that changed since the last one, and moves the last answer on (`_slide`): O(changed + the
+        ids of the batches that left or entered the range) probes and gathers, plus O(slots) elementwise
+        compares and copies."""
         lo, hi = self._range(now, horizon)
         ids = ids.reshape(-1).to(torch.int64)
         live = ids >= 0
@@ -164,6 +172,7 @@ class NextUseTracker:
             self.map.pinned.index_fill_(0, old, False)
             self.map.drop_empty(old)
         else:  # first call, or the map was laid out anew: every position moved
+            old = None
             self.map.pinned.zero_()
             pos = torch.full_like(ids, self.map.none)
             changed = torch.arange(ids.numel())
@@ -179,13 +188,72 @@ class NextUseTracker:
                 found.index_copy_(0, absent, self._insert_absent(wanted.index_select(0, absent)))
             if self.map.relayouts != layout:  # laid out anew meanwhile: start over with every position
                 self._slots = (ids[:0], ids[:0], -1)
+                self._uses = None
                 return self.slot_uses(ids, now, horizon)
             pos.index_copy_(0, again, found)
             self.map.pinned.index_fill_(0, found, True)
+        incremental = self._uses is not None and self._slot_at is not None and changed.numel() < ids.numel() \
+            and self._uses[2].shape == ids.shape and layout == self.map.relayouts
+        tracked = self._track_slots(pos, changed if incremental else None, old if incremental else None)
+        incremental = incremental and tracked
         self._slots = (ids, pos, self.map.relayouts)
         if hi <= lo:
+            self._uses = None
             return torch.full_like(ids, -1)
-        return self._first_in(pos, lo, hi)
+        uses = self._slide(pos, changed, lo, hi) if incremental else None
+        if uses is None:
+            uses = self._first_in(pos, lo, hi)
+        self._uses = (lo, hi, uses)
+        return uses.clone()  # the caller's copy: the kept one is updated in place by the next call
+
+    def _slide(self, pos: torch.Tensor, changed: torch.Tensor, lo: int, hi: int) -> torch.Tensor | None:
+        """The last answer moved to [lo, hi) in O(changed slots + the distinct ids of the batches that left or
+        entered the range), not O(slots); None when the ranges do not allow it. A kept first use p: p >= lo
+        stays (nothing before it in [lo, hi)); 0 <= p < lo (an id of a batch that left the range) and changed
+        slots are found again; p = -1 (no use in the last range) can only become a use in the batches that
+        entered, [last hi, hi). Slots are found from those batches' map positions through `_slot_at`."""
+        last_lo, last_hi, uses = self._uses
+        if lo < last_lo or hi < last_hi or last_hi < lo or last_lo < self.entered - self.span:
+            return None
+        moved = [*range(last_lo, lo), *range(last_hi, hi)]
+        if SLIDE_SHARE * (changed.numel() + sum(self.ring[b][0].numel() for b in moved)) > uses.numel():
+            return None  # about as much work as finding every slot's first use
+        slot_at = self._slot_at
+        again = [changed]
+        for batch in range(last_lo, lo):
+            s = slot_at.index_select(0, self.ring_entry(batch)[1])
+            s = s[s >= 0]
+            again.append(s[uses.index_select(0, s) < lo])  # its first use was in the batches that left
+        again = torch.cat(again)
+        if again.numel():
+            uses.index_copy_(0, again, self._first_in(pos.index_select(0, again), lo, hi))
+        for batch in range(last_hi, hi):
+            s = slot_at.index_select(0, self.ring_entry(batch)[1])
+            s = s[s >= 0]
+            s = s[uses.index_select(0, s) == -1]
+            if s.numel():
+                uses.index_copy_(0, s, self._first_in(pos.index_select(0, s), last_hi, hi))
+        return uses
+
+    def _track_slots(self, pos: torch.Tensor, changed: torch.Tensor | None, old: torch.Tensor | None) -> bool:
+        """`_slot_at[position]`: the slot whose id sits at that map position, -1 for none (all slots when
+        `changed` is None; else the changed ones, whose old positions were `old`). False (and nothing kept)
+        where two slots hold one id: a cache's slots never do, but a caller's ids may."""
+        size = self.map.keys.numel()
+        if changed is None or self._slot_at is None or self._slot_at.numel() != size:
+            self._slot_at = torch.full((size,), -1, dtype=torch.int64)
+            changed = torch.arange(pos.numel())
+        elif old is not None:
+            self._slot_at.index_fill_(0, old, -1)
+        at = pos.index_select(0, changed)
+        live = at != self.map.none
+        changed, at = changed[live], at[live]
+        ok = bool((self._slot_at.index_select(0, at) < 0).all())  # no other slot at those positions
+        self._slot_at.index_copy_(0, at, changed)
+        ok = ok and bool((self._slot_at.index_select(0, at) == changed).all())  # nor two of the changed ones
+        if not ok:
+            self._slot_at = None
+        return ok
 
     def _insert_absent(self, ids: torch.Tensor) -> torch.Tensor:
         """Positions of absent ids (duplicates allowed), inserted once each with no uses."""
