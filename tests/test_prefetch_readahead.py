@@ -342,3 +342,33 @@ def test_device_ids_are_read_ahead_without_a_host_sync():
     for ids, offsets in batches:
         plain(ids, offsets).sum().backward()
     torch.testing.assert_close(emb.weight, plain.weight, rtol=0, atol=0)
+
+
+_EXIT_OPEN = """
+import torch, cachedemb
+torch.set_num_threads(1)
+emb = cachedemb.CachedEmbeddingBag(1000, 4, mode="sum", cache_rows=100, device="cpu",
+                                   optimizer=cachedemb.optim.SGD(lr=0.1))
+g = torch.Generator().manual_seed(0)
+
+def batches():
+    yield torch.randint(0, 1000, (64,), generator=g)
+    while True:  # large batches: the read-ahead thread is inside a sort when the process exits
+        yield torch.randint(0, 1000, (4_000_000,), generator=g)
+
+it = iter(cachedemb.prefetch(batches(), [emb], depth=1, horizon=2))
+emb(next(it), torch.arange(0, 64, 8)).sum().backward()
+print("left open")
+"""
+
+
+def test_a_process_exiting_with_a_pipeline_open_exits_cleanly():
+    """A loop left early with its pipeline never closed, then the process ends: the read-ahead thread is
+    stopped at exit (before, a daemon thread inside a torch op aborted the interpreter's teardown, status
+    134)."""
+    import subprocess
+    import sys
+
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _EXIT_OPEN], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and "left open" in done.stdout, (done.returncode, done.stderr[-2000:])

@@ -22,8 +22,10 @@ on the caller's thread (the same results: the tests compare the two).
 """
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections import defaultdict, deque
 from concurrent.futures import Future
 
@@ -45,6 +47,18 @@ def to_host(ids: torch.Tensor):
     return ids.to(torch.int64), None
 
 
+_LIVE_WORKERS: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_workers() -> None:
+    """A process that exits with a pipeline still open (a loop left early, an iterator kept) stops its thread
+    first: a daemon thread still inside a torch op while the interpreter tears down aborts the process
+    ('terminate called without an active exception', exit status 134)."""
+    for worker in list(_LIVE_WORKERS):
+        worker.close()
+
+
 class Worker:
     """One thread running submitted calls: urgent ones first, the rest in submission order."""
 
@@ -59,6 +73,7 @@ class Worker:
         if threaded:
             self.thread = threading.Thread(target=self._run, name="cachedemb-read-ahead", daemon=True)
             self.thread.start()
+            _LIVE_WORKERS.add(self)
 
     def submit(self, fn, *args, urgent: bool = False) -> Future:
         future = Future()
@@ -109,6 +124,7 @@ class Worker:
             self.ordered.clear()
             self.ready.notify()
         self.thread.join()
+        _LIVE_WORKERS.discard(self)
 
 
 class ReadAhead:
