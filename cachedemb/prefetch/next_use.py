@@ -267,9 +267,11 @@ class NextUseTracker:
         return self._first_in(pos, lo, hi) >= 0
 
     def nbytes(self) -> int:
-        """Host bytes held: the map, the ring of distinct ids and their positions, the kept slot positions."""
+        """Host bytes held: the map, the ring of distinct ids and their positions, the kept slot ids, positions
+        and first uses, the position -> slot array."""
         ring = sum(ids.numel() * 16 for ids, _, _ in self.ring.values())
-        return self.map.nbytes() + ring + self._slots[0].numel() * 16
+        kept = [t for t in (self._uses[2] if self._uses else None, self._slot_at) if t is not None]
+        return self.map.nbytes() + ring + self._slots[0].numel() * 16 + sum(t.numel() * 8 for t in kept)
 
     # ----------------------------------------------------------------- the retiring interface
     def retire(self, batch: int, uniq: torch.Tensor | None = None) -> None:
