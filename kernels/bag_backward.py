@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import backend_for, gpu_shapes, on_device, persistent_programs
+from .host_sort import stable_sort
 from .pooled_forward import (MODE_MAX, MODE_MEAN, MODE_SUM, acc_dtype, ieee_div, lookup_rows_of, tl_acc_dtype,
                              with_host_rows)
 
@@ -116,7 +117,7 @@ def lookup_groups(inverse: torch.Tensor):
     `unique_ids(..., return_groups=True)` gives the same pair from the sort it already did."""
     n_lookups = inverse.numel()
     key = torch.where(inverse >= 0, inverse, torch.full_like(inverse, n_lookups))
-    _, perm = torch.sort(key, stable=True)
+    _, perm = stable_sort(key, (0, n_lookups))
     # Group sizes by an integer scatter-add (exact in any order), starts by their cumsum: what a searchsorted of
     # the sorted keys gives, at O(B) instead of O(B log B).
     sizes = torch.zeros(n_lookups + 1, dtype=torch.int64, device=inverse.device).index_add_(

@@ -31,6 +31,7 @@ from concurrent.futures import Future
 
 import torch
 
+from cachedemb.kernels.host_sort import stable_sort
 from cachedemb.kernels.unique_ids import unique_ids_torch
 from cachedemb.prefetch.next_use import NextUseTracker
 from cachedemb.prefetch.windows import plan_window
@@ -62,7 +63,7 @@ def _close_live_workers() -> None:
 class Worker:
     """One thread running submitted calls: urgent ones first, the rest in submission order."""
 
-    def __init__(self, threaded: bool = True):
+    def __init__(self, threaded: bool = True, name: str = "cachedemb-read-ahead"):
         self.threaded = threaded
         self.urgent: deque = deque()
         self.ordered: deque = deque()
@@ -71,7 +72,7 @@ class Worker:
         self.failed: BaseException | None = None
         self.thread = None
         if threaded:
-            self.thread = threading.Thread(target=self._run, name="cachedemb-read-ahead", daemon=True)
+            self.thread = threading.Thread(target=self._run, name=name, daemon=True)
             self.thread.start()
             _LIVE_WORKERS.add(self)
 
@@ -196,7 +197,7 @@ class ReadAhead:
             start = time.thread_time()
             if event is not None:
                 event.synchronize()
-            s_ids, s_perm = torch.sort(host, stable=True)
+            s_ids, s_perm = stable_sort(host)
             uniq = torch.unique_consecutive(s_ids)
             sorts.append(s_perm.to(torch.int32) if self.locate and event is None and host.numel() < 2**31 else None)
             start = self._time(c, "prefetch_unique", start)

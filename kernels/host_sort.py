@@ -1,0 +1,43 @@
+"""A stable sort of host integer keys with its permutation, several times faster than `torch.sort` on CPU.
+
+Every CPU batch sorts its ids once (distinct ids, inverse, lookup groups), and the prefetch read-ahead sorts each
+batch it reads: `torch.sort(stable=True)` of 10^5 int64 keys takes ~4 ms on one core, numpy's (vectorized) sort
+of the same number of int64 keys ~0.6 ms. Each key is packed with its position, `(key - low) << bits | position`,
+so all packed keys are distinct and any sort of them is the stable sort of the keys: the permutation is the low
+bits, the key the high ones. Where the packed keys would not fit in 63 bits (raw 64-bit ids), or on a device,
+`torch.sort` is used: the same result either way.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def _packable(low: int, high: int, bits: int) -> bool:
+    return high - low < (1 << (63 - bits))
+
+
+def stable_sort(keys: torch.Tensor, bounds: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted keys, int64 permutation) of a 1-D integer tensor, as `torch.sort(keys, stable=True)` returns.
+    `bounds`: (low, high) with low <= every key <= high, when the caller knows them (spares a min/max pass)."""
+    n = keys.numel()
+    if keys.device.type != "cpu" or keys.dtype not in (torch.int64, torch.int32) or keys.dim() != 1 or n < 2:
+        return torch.sort(keys, stable=True)
+    if bounds is None:
+        low, high = int(keys.min()), int(keys.max())
+    else:
+        low, high = bounds
+    bits = max(1, (n - 1).bit_length())
+    if low < -(1 << 62) or high >= (1 << 62) or not _packable(low, high, bits):
+        return torch.sort(keys, stable=True)
+    packed = keys.to(torch.int64)
+    if low:
+        packed = packed - low
+    packed = (packed << bits) | torch.arange(n, dtype=torch.int64)
+    out = np.sort(packed.numpy())  # distinct keys: quicksort's order is the stable order
+    packed = torch.from_numpy(out)
+    perm = packed & ((1 << bits) - 1)
+    values = packed >> bits
+    if low:
+        values += low
+    return values.to(keys.dtype), perm
