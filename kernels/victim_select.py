@@ -4,6 +4,7 @@ Scores are int64 and distinct (policies fold the slot index into the low bits), 
 A protected slot carries INT64_MAX; callers take only as many victims as there are unprotected slots.
 """
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -25,8 +26,19 @@ def victim_select_torch(score: torch.Tensor, k: int, host_sizes: bool = False):
         q = min(sample.numel(), int(sample.numel() * k * 1.25 / n) + 16)  # a margin above k/n
         cand = (score <= torch.kthvalue(sample, q).values).nonzero().squeeze(1)
         if k <= cand.numel() <= n // 2:
-            return cand[torch.topk(score[cand], k, largest=False, sorted=True).indices]
-    return torch.topk(score, k, largest=False, sorted=True).indices
+            return cand[_k_smallest(score[cand], k)]
+    return _k_smallest(score, k)
+
+
+def _k_smallest(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the k smallest scores, smallest first: `torch.topk(largest=False)`'s, which on CPU a
+    partition then a sort of the k (numpy's) finds ~4x faster (distinct scores: one answer)."""
+    n = score.numel()
+    if score.device.type != "cpu" or k <= 0 or k >= n or score.requires_grad:
+        return torch.topk(score, k, largest=False, sorted=True).indices
+    values = score.contiguous().numpy()
+    part = np.argpartition(values, k - 1)[:k]
+    return torch.from_numpy(part[np.argsort(values[part], kind="stable")]).to(torch.int64)
 
 
 _CUT_MIN = 1 << 17  # below this, a plain top-k
