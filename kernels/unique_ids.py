@@ -18,7 +18,6 @@ from .host_sort import stable_sort
 PAD_ID = -1
 
 
-
 def unique_ids_torch(ids: torch.Tensor, padding_idx: int | None = None, return_groups: bool = False,
                      sort: tuple[torch.Tensor, torch.Tensor] | None = None, id_bound: int | None = None):
     """Reference: torch.unique, then the padding id (if present) removed from the unique set. With

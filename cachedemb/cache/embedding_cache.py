@@ -489,7 +489,7 @@ class EmbeddingCache:
         per window: `seconds["window_protect"]`); nothing to change if it is the only window protected."""
         start = time.perf_counter()
         if plan.done is not None:
-            self._await_transfer(plan.done)
+            torch.cuda.current_stream(self.device).wait_event(plan.done)
             if self._pending is plan.done:
                 self._pending = None
         if any(loc is not plan.loc_u for loc in self._windows):
@@ -500,17 +500,12 @@ class EmbeddingCache:
         self._window_active = True  # the pipeline's batches up to the next window are all hits
         self.seconds["window_protect"] += time.perf_counter() - start
 
-    def _await_transfer(self, done) -> None:
-        """Order what follows after a window transfer: the current stream waits for the side stream's event (no
-        host sync)."""
-        torch.cuda.current_stream(self.device).wait_event(done)
-
     def settle(self) -> None:
         """Wait for a window transfer in flight before anything that reads or writes rows, counts or host rows
         beyond the window in use (a flush, a reload, an unannounced forward, counts halved, ...), in stream order."""
         if self._pending is not None:
-            done, self._pending = self._pending, None
-            self._await_transfer(done)
+            torch.cuda.current_stream(self.device).wait_event(self._pending)  # no host sync
+            self._pending = None
 
     def _resident_or_dump(self, loc: torch.Tensor) -> torch.Tensor:
         """Cache slots of `loc`; host locations and -1 go to the trailing dump element (two launches: negative
