@@ -3,6 +3,8 @@ follows the horizon (not the table), window depth chosen from what fits (against
 per-batch path where one batch does not fit, the read-ahead thread training exactly like the same work done
 inline, the forward's unique ids handed over, errors raised in the training loop, stage timings."""
 import threading
+import time
+import warnings
 
 import numpy as np
 import pytest
@@ -302,16 +304,88 @@ def test_leaving_the_loop_stops_the_read_ahead_thread():
         emb(ids, offsets).sum().backward()
         if i == 5:
             break
-    assert not read_ahead_threads()
+    assert not read_ahead_threads() and not window_copy_threads()
 
 
-def test_an_eval_forward_inside_the_loop_reads_what_training_without_prefetch_reads():
-    """An unannounced forward (eval) inside the loop, after each training step, reads the same values as a module
-    trained without prefetch (overlap on: a window planned ahead is in flight)."""
+def window_copy_threads():
+    return [t for t in threading.enumerate() if t.name == "cachedemb-window-copy"]
+
+
+@pytest.mark.usefixtures("sizing_mode")
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_cpu_windows_moved_by_a_host_thread_train_as_without_prefetch(depth):
+    """On CPU a threaded pipeline plans each next window during the current one and a host thread moves its rows
+    while the step computes; training equals training without prefetch, step by step, and the copies ran on
+    that thread, started by the forwards."""
+    batches = mixed_batches(300, 30, seed=depth + 10)
+    plain, ahead = make(cache_rows=60), make(cache_rows=60)
+    copied_on = set()
+    real = ahead.cache._move_rows
+
+    def recording(*args, **kwargs):
+        copied_on.add(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    ahead.cache._move_rows = recording
+    pipe = cachedemb.prefetch(batches, [ahead], depth=depth, horizon=8)
+    for (ids, offsets), (ids_a, offsets_a) in zip(batches, pipe):
+        out_plain, out_ahead = plain(ids, offsets), ahead(ids_a, offsets_a)
+        assert torch.equal(out_plain, out_ahead)
+        out_plain.pow(2).sum().backward()
+        out_ahead.pow(2).sum().backward()
+        assert len(window_copy_threads()) <= 1
+    assert pipe.overlap and "cachedemb-window-copy" in copied_on
+    assert not window_copy_threads()
+    assert torch.equal(train(plain, []), train(ahead, []))
+
+
+def test_a_window_copy_in_flight_is_not_taken_for_an_outside_holder_of_the_table():
+    """A copy in flight holds views of the host table for a moment; the forward counts the table's holders before
+    the copy starts, so a pipeline that moves rows meanwhile never switches the module to write-through."""
+    emb = make(cache_rows=60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for ids, offsets in cachedemb.prefetch(mixed_batches(300, 30, seed=5), [emb], depth=1, horizon=8):
+            emb(ids, offsets).sum().backward()
+    assert not emb._watched
+
+
+@pytest.mark.parametrize("depth", [2, 4])
+def test_a_slow_window_copy_spanning_later_forwards_is_not_taken_for_an_outside_holder(depth):
+    """A copy still running when a later forward of its window counts the table's holders (its transient views
+    counted among them) is waited for and the count taken again: the module never switches to write-through, whose
+    re-read of the batch's rows would drop updates not yet written back; training equals training without
+    prefetch. (The copies are slowed here so each one spans the next forwards.)"""
+    batches = mixed_batches(300, 30, seed=depth + 20)
+    plain, ahead = make(cache_rows=60), make(cache_rows=60)
+    real = ahead.cache._move_rows
+
+    def slow(*args, **kwargs):
+        if threading.current_thread().name == "cachedemb-window-copy":
+            held = ahead.cache.host_weight[:1]  # noqa: F841 -- a view over the table while the copy runs
+            time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    ahead.cache._move_rows = slow
+    pipe = cachedemb.prefetch(batches, [ahead], depth=depth, horizon=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for (ids, offsets), (ids_a, offsets_a) in zip(batches, pipe):
+            out_plain, out_ahead = plain(ids, offsets), ahead(ids_a, offsets_a)
+            assert torch.equal(out_plain, out_ahead)
+            out_plain.pow(2).sum().backward()
+            out_ahead.pow(2).sum().backward()
+    assert pipe.overlap and not ahead._watched
+    assert torch.equal(train(plain, []), train(ahead, []))
+
+
+def test_an_eval_forward_during_a_window_copy_sees_the_rows_written_back():
+    """An unannounced forward (eval) inside the loop waits for the window's copies first: it reads the same
+    values as a module trained without prefetch."""
     batches = mixed_batches(300, 30, seed=6)
     plain, ahead = make(cache_rows=60), make(cache_rows=60)
     probe = torch.arange(300)
-    pipe = cachedemb.prefetch(batches, [ahead], depth=1, horizon=8, overlap=True)
+    pipe = cachedemb.prefetch(batches, [ahead], depth=1, horizon=8)
     for (ids, offsets), (ids_a, offsets_a) in zip(batches, pipe):
         plain(ids, offsets).pow(2).sum().backward()
         ahead(ids_a, offsets_a).pow(2).sum().backward()

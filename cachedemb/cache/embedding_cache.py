@@ -19,6 +19,7 @@ sync. On CPU the counts are read on the host (free there) to skip work, except i
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +89,8 @@ class SlotNextUse:
 @dataclass
 class WindowPlan:
     """A look-ahead window whose slots are decided (metadata and index already updated) and whose rows are
-    moved by `EmbeddingCache.transfer_window`; `done` is the CUDA event after which they are in place."""
+    moved by `EmbeddingCache.transfer_window`; `done` is what to wait for until they are in place: the CUDA event
+    recorded after a side stream's copies, or the future of a host thread's copies (CPU)."""
 
     loc_u: torch.Tensor
     move: RowMove | None
@@ -154,12 +156,14 @@ class EmbeddingCache:
         # prefetch_forward_unique and prefetch_next_use_query.
         self.seconds = {"prepare": 0.0, "admit_window": 0.0, "flush": 0.0, "index_rebuild": 0.0,
                         "victim_rank": 0.0, "next_use_refresh": 0.0, "halve_counts": 0.0, "window_protect": 0.0,
+                        "transfer_wait": 0.0,
                         **dict.fromkeys(PREFETCH_STAGES, 0.0)}
         if freq_halflife is not None and (not isinstance(freq_halflife, int) or freq_halflife < 1):
             raise ValueError(f"freq_halflife must be None or a positive number of batches, got {freq_halflife!r}")
         self.freq_halflife = freq_halflife
         self.train_batches = 0
-        self._pending = None  # CUDA event of a window transfer still running on a side stream
+        self._pending = None  # a window transfer still running (CUDA event of a side stream, or a CPU future)
+        self._deferred = None  # (plan, host thread) of a CPU window transfer not started yet (see transfer_window)
         # Forwards the prefetch pipeline announced as its window's (all hits); any other forward while a window
         # transfer is in flight waits for it, since the rows it serves from the host may be in transit.
         self.window_forwards_left = 0
@@ -331,6 +335,8 @@ class EmbeddingCache:
         self.batch_counter += 1
         ahead, self.ahead = self.ahead, None
         if not self._early_exit():
+            if self.device.type != "cuda":
+                self.settle()  # a miss served from the host must not race a host thread's write-back
             return self._prepare_device(ids, padding_idx, train, start, admit=not in_window)
         ahead = take_ahead(ahead, ids, padding_idx, self.slot_ids)
         uniq, inverse, counts, n_uniq, groups = (ahead[0] if ahead else
@@ -343,6 +349,7 @@ class EmbeddingCache:
             loc_u, live = ahead[1], torch.ones(cap, dtype=torch.bool, device=self.device)
             n_hit, n_miss = n_uniq, torch.zeros_like(n_uniq)
         else:
+            self.settle()  # misses may read host rows that a window transfer in flight writes back
             loc_u, live, n_hit, n_miss, _ = self._place(uniq, n_uniq, self.policy)
         self.bump_stats(lookups=(inverse >= 0).sum(), unique=n_uniq, hits=n_hit, misses=n_miss)
         if train:
@@ -390,6 +397,7 @@ class EmbeddingCache:
         announced = self.window_forwards_left > 0
         if announced:
             self.window_forwards_left -= 1
+            self._start_deferred()
         else:
             self.settle()
         return announced and self._window_active
@@ -473,6 +481,13 @@ class EmbeddingCache:
         if stream is None:
             self._move_rows(plan.move)
             return
+        if self.device.type != "cuda":
+            # A host thread (`stream.submit`) copies while this thread computes: the copies touch only the victims'
+            # slots and host rows and the window's new rows, never the slots or rows of the window in use. They
+            # start with the next announced forward, after its module counted who holds the host table (a copy in
+            # flight holds views of it too), and are waited for when the window is activated.
+            self._deferred = (plan, stream)
+            return
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
@@ -488,8 +503,11 @@ class EmbeddingCache:
         """Make the current stream wait for the window's rows, then protect exactly that window (O(cache), once
         per window: `seconds["window_protect"]`); nothing to change if it is the only window protected."""
         start = time.perf_counter()
+        if self._deferred is not None and self._deferred[0] is plan:  # no forward came to start it: copy now
+            self._deferred = None
+            self._move_rows(plan.move)
         if plan.done is not None:
-            torch.cuda.current_stream(self.device).wait_event(plan.done)
+            self._await_transfer(plan.done)
             if self._pending is plan.done:
                 self._pending = None
         if any(loc is not plan.loc_u for loc in self._windows):
@@ -500,12 +518,35 @@ class EmbeddingCache:
         self._window_active = True  # the pipeline's batches up to the next window are all hits
         self.seconds["window_protect"] += time.perf_counter() - start
 
+    def copying_on_host(self) -> bool:
+        """Whether a host thread is moving a window's rows now (CPU overlap): it holds views of the host table."""
+        return isinstance(self._pending, Future) and not self._pending.done()
+
+    def _start_deferred(self) -> None:
+        if self._deferred is not None:
+            (plan, worker), self._deferred = self._deferred, None
+            plan.done = worker.submit(self._move_rows, plan.move)
+            self._pending = plan.done
+
+    def _await_transfer(self, done) -> None:
+        """Order what follows after a window transfer: the current stream waits for a side stream's event (no
+        host sync); a host thread's copies are waited for (their error, if any, raised here)."""
+        if isinstance(done, Future):
+            start = time.perf_counter()
+            done.result()
+            self.seconds["transfer_wait"] += time.perf_counter() - start
+        else:
+            torch.cuda.current_stream(self.device).wait_event(done)
+
     def settle(self) -> None:
         """Wait for a window transfer in flight before anything that reads or writes rows, counts or host rows
-        beyond the window in use (a flush, a reload, an unannounced forward, counts halved, ...), in stream order."""
+        beyond the window in use (a flush, a reload, an unannounced forward, counts halved, ...)."""
+        if self._deferred is not None:
+            (plan, _), self._deferred = self._deferred, None
+            self._move_rows(plan.move)
         if self._pending is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._pending)  # no host sync
-            self._pending = None
+            done, self._pending = self._pending, None
+            self._await_transfer(done)
 
     def _resident_or_dump(self, loc: torch.Tensor) -> torch.Tensor:
         """Cache slots of `loc`; host locations and -1 go to the trailing dump element (two launches: negative

@@ -235,6 +235,7 @@ class DynamicEmbeddingBag(nn.Module):
         """Host rows get `values` and the optimizer's initial state; resident cache copies are overwritten
         (only rows in `maybe_cached`, when given: a row never handed out was never looked up, so never cached)."""
         cache = self.cache
+        cache.settle()  # a window's rows still being moved may include these host rows
         cache.host_weight[rows] = values.to(cache.dtype)
         for name, state in cache.host_states.items():
             state[rows] = self._state_init[name]

@@ -407,9 +407,12 @@ class CachedEmbeddingBag(nn.Module):
         be lost. Counted from reference counts: a host-side check, no device sync."""
         if getattr(self, "_private_table", False):  # a slab owned by a layer in front (cachedemb.storage), whose
             return False  # I/O threads touch it concurrently: nothing outside can hold it
-        own_refs = 3 if self.optimizer is None else 2  # __dict__ (+ _parameters) + getrefcount's argument
-        table = self.__dict__["_table"]
-        shared = sys.getrefcount(table) > own_refs + 1 or _storage_users(table) > _OWN_STORAGE_USERS
+        shared = self._held_outside()
+        if shared and self.cache.copying_on_host():
+            # A window's rows being moved on a host thread hold transient views of the table too: wait for them
+            # and count again (only then is an extra holder someone else's).
+            self.cache.settle()
+            shared = self._held_outside()
         if shared and not self._watched:
             self._watched = True
             if self.optimizer is not None and not self._warned_shared:
@@ -421,6 +424,11 @@ class CachedEmbeddingBag(nn.Module):
                     "every forward re-reads them, so that writes through it are never lost. Drop the reference "
                     "(or pass a copy) for full speed.", stacklevel=5)
         return shared
+
+    def _held_outside(self) -> bool:
+        own_refs = 3 if self.optimizer is None else 2  # __dict__ (+ _parameters) + getrefcount's argument
+        table = self.__dict__["_table"]
+        return sys.getrefcount(table) > own_refs + 1 or _storage_users(table) > _OWN_STORAGE_USERS
 
     def _see_table_writes(self, refresh_later: bool, watched: bool = False) -> None:
         """Make the cache agree with the host table before a forward, if the table may have been written since

@@ -27,8 +27,13 @@ backward has been issued):
    rows, `activate_window` protects exactly the window) [admit_window, next_use_refresh, window_protect], or switch
    to the window planned one window ago (`activate_window`: the current stream waits for its transfer's event).
    Then snapshot the slot ids (a non-blocking copy) for the next uses of the next window.
-3. overlap (default for CUDA caches): if the next window fits beside this one, plan it now and move its rows on a
-   side stream (which first waits for everything issued on the current stream; `record_stream`; an event).
+3. overlap (default for CUDA caches, and for CPU caches of a threaded pipeline): if the next window fits beside
+   this one, plan it now and move its rows meanwhile: on CUDA on a side stream (which first waits for everything
+   issued on the current stream; `record_stream`; an event); on CPU on a host thread ("cachedemb-window-copy"),
+   started by the next announced forward once its module has counted who holds the host table (a copy in flight
+   holds views of it: a later forward whose count finds an extra holder while a copy runs waits for the copy and
+   counts again), and waited for when the window is activated [transfer_wait]. A CPU cache behind a host tier
+   (cachedemb.storage, which stages host rows meanwhile) moves them on this thread at once.
 4. hand-off: give each cache this batch's unique ids, and inside a window their slots, if the read-ahead thread
    has them (never waited for): its forward then neither sorts its ids nor looks them up (cache/ahead.py; a CPU
    cache with counts on the host).
@@ -52,7 +57,8 @@ Hazards ruled out (each is tested):
   rather than corrupting rows;
 - a forward of other ids inside the loop (an eval batch) reading a host row the side stream is still writing
   back: the first forward per cache after a batch is yielded is taken as that batch's (all hits); any further one
-  waits for the transfer;
+  waits for the transfer; on CPU so does an announced forward whose ids were not all read ahead (a miss served
+  from the host), and every whole-cache operation (flush, reload, counts halved, rows re-read or dropped);
 - the read-ahead thread and the training thread touching the same state: the thread works on its own copies of
   the ids and on snapshots of the slot ids, and its results reach the loop only through futures; a hand-off is
   taken only if its ids equal the forward's and every slot still holds its id;

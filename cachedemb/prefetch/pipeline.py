@@ -11,7 +11,7 @@ import torch
 from cachedemb.cache.ahead import AheadBatch, accepts_ahead
 from cachedemb.cache.embedding_cache import EmbeddingCache, SlotNextUse
 from cachedemb.cache.policy import Policy, resolve
-from cachedemb.prefetch.read_ahead import ReadAhead
+from cachedemb.prefetch.read_ahead import ReadAhead, Worker
 from cachedemb.prefetch.windows import WindowInfo
 
 IdsFn = Callable[[object], Sequence[torch.Tensor]]
@@ -49,7 +49,7 @@ class Prefetcher:
         self.read_ahead = horizon + 2 * depth
         self.ids_fn = ids
         self.policy = resolve(policy)
-        self.overlap = overlap  # None: decided by the caches' device (on for CUDA)
+        self.overlap = overlap  # None: on for CUDA caches, and for CPU caches when threaded
         self.threaded = threaded  # False: the read-ahead work runs on this thread (same results, for tests)
         self.buffer: deque = deque()  # (batch number, batch, [host ids per cache])
         self.caches: list[EmbeddingCache] | None = None
@@ -64,6 +64,7 @@ class Prefetcher:
         self.next_uses: dict[int, tuple[list, Future]] = {}  # window start -> (snapshots, their next uses)
         self.uniques: dict[int, Future] = {}  # batch -> its forward's unique ids, computed ahead
         self.streams: dict = {}
+        self.copier: Worker | None = None  # the host thread moving a CPU window's rows during compute
         self.refused = False
 
     # ----------------------------------------------------------------- reading
@@ -169,12 +170,18 @@ class Prefetcher:
 
     def _overlapping(self) -> bool:
         if self.overlap is None:
-            self.overlap = bool(self.caches) and all(c.device.type == "cuda" for c in self.caches)
+            self.overlap = bool(self.caches) and all(c.device.type == "cuda" or self.threaded for c in self.caches)
         return self.overlap
 
     def _side_stream(self, cache: EmbeddingCache):
+        """Where a window planned ahead moves its rows: a CUDA side stream; for a CPU cache a host thread (when
+        the pipeline is threaded and no host tier in front stages rows meanwhile), else this thread at once."""
         if cache.device.type != "cuda":
-            return None
+            if not self.threaded or cache.host_fence is not None:
+                return None
+            if self.copier is None:
+                self.copier = Worker(name="cachedemb-window-copy")
+            return self.copier
         if cache.device not in self.streams:
             self.streams[cache.device] = torch.cuda.Stream(cache.device)
         return self.streams[cache.device]
@@ -296,6 +303,12 @@ class Prefetcher:
         finally:
             if self.worker is not None:
                 self.worker.close()
+            for cache in self.caches or []:
+                if getattr(cache, "prefetch_owner", None) in (self, None):
+                    cache.settle()  # a window's rows still being moved by the copier
+            if self.copier is not None:
+                self.copier.close()
+                self.copier = None
             for cache in self.caches or []:
                 if getattr(cache, "prefetch_owner", None) not in (self, None):
                     continue  # another loop's cache (this one was refused): leave its windows alone

@@ -63,7 +63,7 @@ def _close_live_workers() -> None:
 class Worker:
     """One thread running submitted calls: urgent ones first, the rest in submission order."""
 
-    def __init__(self, threaded: bool = True):
+    def __init__(self, threaded: bool = True, name: str = "cachedemb-read-ahead"):
         self.threaded = threaded
         self.urgent: deque = deque()
         self.ordered: deque = deque()
@@ -72,7 +72,7 @@ class Worker:
         self.failed: BaseException | None = None
         self.thread = None
         if threaded:
-            self.thread = threading.Thread(target=self._run, name="cachedemb-read-ahead", daemon=True)
+            self.thread = threading.Thread(target=self._run, name=name, daemon=True)
             self.thread.start()
             _LIVE_WORKERS.add(self)
 
