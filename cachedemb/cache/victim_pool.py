@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from cachedemb.kernels.host_nonzero import nonzero_1d
 from cachedemb import kernels
 from cachedemb.kernels import PROTECTED
 from cachedemb.cache.miss_estimate import MissEstimate
@@ -79,7 +80,7 @@ class VictimPool:
         member = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
         member.index_fill_(0, self.slots, True)
         member.index_fill_(0, slots[(slots >= 0) & (slots < self.capacity)], True)
-        merged = member.nonzero().squeeze(1)
+        merged = nonzero_1d(member)
         if merged.numel() > 2 * self.ranked_size:  # re-scoring it would cost more than a ranking saves
             self.invalidate()
             return

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from cachedemb.kernels.host_nonzero import nonzero_1d
 EMPTY = -1
 TOMB = -2
 TAIL = 1024  # probe positions past the last home; a probe that would run past them makes the map grow
@@ -75,9 +76,9 @@ class IdMap:
             if rounds < _SINGLE_PROBES:
                 k = self.keys.index_select(0, p)
                 hit = k == q
-                found = hit.nonzero().squeeze(1)
+                found = nonzero_1d(hit)
                 pos.index_copy_(0, idx.index_select(0, found), p.index_select(0, found))
-                going = (hit.logical_not() & (k != EMPTY)).nonzero().squeeze(1)
+                going = nonzero_1d(hit.logical_not() & (k != EMPTY))
                 step = 1
             else:
                 window = (p[:, None] + _OFFSETS).clamp(max=self.none)
@@ -86,9 +87,9 @@ class IdMap:
                 ended = hit | (k == EMPTY)
                 stop = ended.any(1)
                 first = ended.to(torch.int8).argmax(1)
-                at = (stop & hit.gather(1, first[:, None]).squeeze(1)).nonzero().squeeze(1)
+                at = nonzero_1d(stop & hit.gather(1, first[:, None]).squeeze(1))
                 pos.index_copy_(0, idx.index_select(0, at), p.index_select(0, at) + first.index_select(0, at))
-                going = stop.logical_not().nonzero().squeeze(1)
+                going = nonzero_1d(stop.logical_not())
                 step = WINDOW
             idx, q, p = idx.index_select(0, going), q.index_select(0, going), p.index_select(0, going) + step
             rounds += 1
@@ -121,7 +122,7 @@ class IdMap:
         """The ids at `pos` whose words are all zero leave the map (TOMB: later inserts reuse the position),
         unless pinned."""
         empty = (self.words.index_select(0, pos) == 0).all(1) & self.pinned.index_select(0, pos).logical_not()
-        self.keys.index_fill_(0, pos.index_select(0, empty.nonzero().squeeze(1)), TOMB)
+        self.keys.index_fill_(0, pos.index_select(0, nonzero_1d(empty)), TOMB)
 
     def _probe_insert(self, ids: torch.Tensor):
         """Each round every pending id tries its next position; among ids trying the same free (EMPTY or TOMB)
@@ -134,11 +135,11 @@ class IdMap:
         end = self.none
         while idx.numel():
             if int(p.max()) >= end:
-                placed = (pos >= 0).nonzero().squeeze(1)
+                placed = nonzero_1d(pos >= 0)
                 self.keys.index_copy_(0, pos.index_select(0, placed), was.index_select(0, placed))
                 return None, 0
             k = self.keys.index_select(0, p)
-            free = (k < 0).nonzero().squeeze(1)
+            free = nonzero_1d(k < 0)
             fp = p.index_select(0, free)
             was.index_copy_(0, idx.index_select(0, free), k.index_select(0, free))
             self.keys.index_put_((fp,), q.index_select(0, free))
@@ -146,14 +147,14 @@ class IdMap:
             pos.index_copy_(0, idx.index_select(0, placed), p.index_select(0, placed))
             going = torch.ones(idx.numel(), dtype=torch.bool)
             going[placed] = False
-            going = going.nonzero().squeeze(1)
+            going = nonzero_1d(going)
             idx, q, p = idx.index_select(0, going), q.index_select(0, going), p.index_select(0, going) + 1
         return pos, int((was == TOMB).sum())
 
     def _relayout(self, keep: torch.Tensor, size: int) -> None:
         """Lay the kept ids out afresh in one sort: sorted by home, each takes home + the keys stacked before it
         (linear probing's layout for that order). Pins go with their ids."""
-        at = keep.nonzero().squeeze(1)
+        at = nonzero_1d(keep)
         ids, words, pinned = self.keys.index_select(0, at), self.words.index_select(0, at), self.pinned[at]
         size = _pow2_at_least(size)
         while True:

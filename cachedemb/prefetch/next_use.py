@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from cachedemb.kernels.host_nonzero import nonzero_1d
 from cachedemb.prefetch.id_map import IdMap
 
 
@@ -81,7 +82,7 @@ class NextUseTracker:
             self.map.drop_empty(pos)  # ids with no use left in the ring
         self.map.reserve(uniq.numel())  # before finding: growing the map moves every position
         pos = self.map.find(uniq)
-        new = (pos < 0).nonzero().squeeze(1)
+        new = nonzero_1d(pos < 0)
         if new.numel():
             layout = self.map.relayouts
             pos.index_copy_(0, new, self.map.insert(uniq.index_select(0, new)))
@@ -150,7 +151,7 @@ class NextUseTracker:
         if hi <= lo or ids.numel() == 0:
             return out
         pos = self.map.find(ids.clamp(min=0))
-        at = ((pos >= 0) & (ids >= 0)).nonzero().squeeze(1)
+        at = nonzero_1d((pos >= 0) & (ids >= 0))
         out.index_copy_(0, at, self._first_in(pos.index_select(0, at), lo, hi))
         return out
 
@@ -166,7 +167,7 @@ class NextUseTracker:
         kept_ids, kept_pos, layout = self._slots
         if kept_ids.shape == ids.shape and layout == self.map.relayouts:
             pos = kept_pos.clone()
-            changed = (ids != kept_ids).nonzero().squeeze(1)
+            changed = nonzero_1d(ids != kept_ids)
             old = kept_pos.index_select(0, changed)
             old = old[old != self.map.none]
             self.map.pinned.index_fill_(0, old, False)
@@ -183,7 +184,7 @@ class NextUseTracker:
             self.map.reserve(again.numel())
             wanted = ids.index_select(0, again)
             found = self.map.find(wanted)
-            absent = (found < 0).nonzero().squeeze(1)
+            absent = nonzero_1d(found < 0)
             if absent.numel():
                 found.index_copy_(0, absent, self._insert_absent(wanted.index_select(0, absent)))
             if self.map.relayouts != layout:  # laid out anew meanwhile: start over with every position

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cachedemb.kernels.host_nonzero import nonzero_1d
 from cachedemb.prefetch.next_use import NextUseTracker
 
 FILL = 0.5  # a window of two or more batches protects at most this share of a cache's slots
@@ -56,7 +57,7 @@ def plan_window(start: int, available: int, trackers: list[NextUseTracker], capa
         for tracker in trackers:
             ids, pos = tracker.ring_entry(batch)
             if k:
-                new = tracker.used_between(batch, start, batch).logical_not().nonzero().squeeze(1)
+                new = nonzero_1d(tracker.used_between(batch, start, batch).logical_not())
                 ids, pos = ids.index_select(0, new), pos.index_select(0, new)
             fresh.append((ids, pos))
         grown = [size + ids.numel() for size, (ids, _) in zip(sizes, fresh)]
