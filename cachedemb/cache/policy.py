@@ -54,7 +54,7 @@ def _finish(view: SlotView, key: torch.Tensor) -> torch.Tensor:
     slot = torch.arange(capacity, device=key.device) if view.slots is None else view.slots
     score = key * capacity + slot
     score = torch.where(view.slot_ids < 0, slot - capacity, score)
-    return torch.where(view.protected, torch.full_like(score, PROTECTED), score)
+    return score.masked_fill_(view.protected, PROTECTED)
 
 
 @monotone
@@ -75,11 +75,11 @@ def lookahead(view: SlotView) -> torch.Tensor:
     tables first, since the same count means less in a flatter table), then the row used furthest ahead
     (Belady inside the horizon)."""
     no_use = view.next_use < 0
-    far_first = _TIER + (_TIER - 1 - view.next_use.clamp(min=0, max=_TIER - 1))
-    rank = view.table_rank if view.table_rank is not None else torch.zeros_like(view.freq)
-    by_count = view.freq.clamp(max=(1 << 24) - 1) * 256 + rank.clamp(max=255)
-    key = torch.where(no_use, by_count, far_first)
-    return _finish(view, key)
+    far_first = (2 * _TIER - 1) - view.next_use.clamp(min=0, max=_TIER - 1)  # _TIER + (_TIER - 1 - next use)
+    by_count = view.freq.clamp(max=(1 << 24) - 1).mul_(256)
+    if view.table_rank is not None:  # (a single table ranks 0: nothing to add)
+        by_count.add_(view.table_rank.clamp(max=255))
+    return _finish(view, torch.where(no_use, by_count, far_first))
 
 
 POLICIES: dict[str, Policy] = {"lfu": lfu, "lru": lru, "lookahead": lookahead}
