@@ -15,8 +15,18 @@ from cachedemb import optim
 from cachedemb.cache.ahead import AheadBatch, take_ahead
 from cachedemb.cache.embedding_cache import PREFETCH_STAGES
 from cachedemb.kernels.unique_ids import unique_ids_torch
-from cachedemb.prefetch import NextUseTracker, Prefetcher
+from cachedemb.prefetch import NextUseTracker, Prefetcher, host_map
 from cachedemb.prefetch.windows import FILL
+
+
+@pytest.fixture(params=["c", "torch"])
+def map_loops(request, monkeypatch):
+    """The tracker's per-id loops in C (prefetch/host_map.c, where a compiler exists) and in torch."""
+    if request.param == "torch":
+        monkeypatch.setattr(host_map, "enabled", False)
+    elif host_map.lib() is None:
+        pytest.skip("no C compiler: the torch loops run")
+    return request.param
 
 
 def scan(sets, i, lo, hi):
@@ -29,7 +39,7 @@ def scan(sets, i, lo, hi):
 
 @pytest.mark.parametrize("num,span,horizon", [(30, 7, 5), (200, 70, 64), (1000, 130, 100), (60, 64, 64),
                                               (60, 65, 60)])
-def test_next_use_bookkeeping_matches_a_scan_of_the_horizon(num, span, horizon):
+def test_next_use_bookkeeping_matches_a_scan_of_the_horizon(num, span, horizon, map_loops):
     rng = np.random.default_rng(num + span)
     steps = 3 * span
     batches = [torch.unique(torch.from_numpy(rng.integers(0, num, rng.integers(0, 30)))) for _ in range(steps)]
@@ -58,7 +68,7 @@ def test_next_use_bookkeeping_matches_a_scan_of_the_horizon(num, span, horizon):
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("share", [0, None])
-def test_slot_uses_moved_on_between_windows_match_a_scan(seed, share, monkeypatch):
+def test_slot_uses_moved_on_between_windows_match_a_scan(seed, share, monkeypatch, map_loops):
     """slot_uses keeps its last answer and moves it to the next window's range (O(changed slots + the batches
     that entered or left the range)): windows of 1-4 batches, few slots changing, the read-ahead running ahead
     by a varying distance, the map growing and laid out anew as the id range widens, the source ending. With
@@ -100,7 +110,7 @@ def test_slot_uses_moved_on_between_windows_match_a_scan(seed, share, monkeypatc
         assert sum(s is not None for s in slides) > calls // 3  # the moved-on answers were checked
 
 
-def test_next_use_bookkeeping_holds_the_horizon_not_the_table():
+def test_next_use_bookkeeping_holds_the_horizon_not_the_table(map_loops):
     """A 1B-row table and a 1M-row one with the same batches' worth of distinct ids cost the same; nothing in the
     tracker is sized by the table."""
     g = torch.Generator().manual_seed(0)
@@ -118,6 +128,54 @@ def test_next_use_bookkeeping_holds_the_horizon_not_the_table():
     assert sizes[10**9] <= 2 * sizes[10**6]
     assert sizes[10**9] < 200 * span * per_batch  # bytes per distinct id held, whatever the table
 
+
+def test_id_map_keeps_what_a_dict_keeps(map_loops):
+    """Inserts, finds and drops of ids coming and going (TOMBs reused, the map grown and laid out anew) answer as
+    a dict does, with the per-id loops in C and in torch."""
+    from cachedemb.prefetch.id_map import IdMap
+
+    rng = np.random.default_rng(3)
+    m, ref = IdMap(2), {}
+    for step in range(60):
+        ids = torch.from_numpy(np.unique(rng.integers(0, 5000 + 300 * step, rng.integers(1, 400))))
+        m.reserve(ids.numel())
+        pos = m.find(ids)
+        absent = (pos < 0).nonzero().squeeze(1)
+        assert sorted(ids[absent].tolist()) == sorted(set(ids.tolist()) - set(ref))
+        if absent.numel():
+            layout = m.relayouts
+            pos[absent] = m.insert(ids[absent])
+            assert m.relayouts == layout  # reserve made room: positions found before stay valid
+        m.words[pos, step % 2] += 1
+        for i in ids.tolist():
+            ref[i] = ref.get(i, 0) + 1
+        leaving = ids[torch.from_numpy(rng.random(ids.numel()) < 0.5)]
+        at = m.find(leaving)
+        m.words[at] = 0
+        m.drop_empty(at)
+        for i in leaving.tolist():
+            del ref[i]
+        live = m.keys >= 0
+        assert sorted(m.keys[live].tolist()) == sorted(ref)
+        query = torch.from_numpy(rng.integers(0, 5000 + 300 * step, 500))
+        found = m.find(query)
+        assert [int(f) >= 0 for f in found] == [q in ref for q in query.tolist()]
+        assert torch.equal(m.keys[found[found >= 0]], query[found >= 0])
+    assert m.relayouts > 1
+
+
+def test_a_c_insert_that_would_leave_the_tail_changes_nothing():
+    c = host_map.lib()
+    if c is None:
+        pytest.skip("no C compiler")
+    keys = torch.full((20,), -1, dtype=torch.int64)
+    keys[:18] = torch.arange(100, 118)
+    keys[3] = -2  # a TOMB the first insert may take
+    before = keys.clone()
+    pos, reused = host_map.insert(c, keys, 4, 19, torch.tensor([7, 8, 9]))
+    assert pos is None and reused == 0 and torch.equal(keys, before)
+    pos, reused = host_map.insert(c, keys, 4, 19, torch.tensor([7]))
+    assert pos is not None and keys[pos].tolist() == [7]
 
 def window_reference(batches, capacity, depth):
     """The windows a set-based planner picks: the most batches (<= depth) whose union fits (one batch: the
@@ -171,7 +229,7 @@ def train(emb, source):
 
 @pytest.mark.usefixtures("sizing_mode")
 @pytest.mark.parametrize("depth", [1, 2, 4])
-def test_windows_are_the_most_batches_that_fit(depth):
+def test_windows_are_the_most_batches_that_fit(depth, map_loops):
     batches = mixed_batches(300, 40, seed=depth, sizes=None)
     emb = make(cache_rows=40)
     pipe = cachedemb.prefetch(batches, [emb], depth=depth, horizon=8, overlap=False)  # one window at a time

@@ -21,7 +21,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # they landed (on CPU: batches later), which waits for nothing.
 COUNTED = [str(ROOT / "cachedemb"), str(ROOT / "kernels")]
 HOST_SIDE = [str(ROOT / "cachedemb" / "prefetch"), str(ROOT / "cachedemb" / "cache" / "miss_estimate.py")]
-HOST_SORT = str(ROOT / "kernels" / "host_sort.py")
+HOST_HELPERS = (str(ROOT / "kernels" / "host_sort.py"), str(ROOT / "kernels" / "host_nonzero.py"))
 HOST_READS = ("item", "tolist", "cpu", "__int__", "__bool__", "__index__", "__float__", "numpy")
 
 
@@ -55,7 +55,7 @@ class HostReadCounter:
             path = frame.f_code.co_filename
             if "triton" in path.split(os.sep)[-3:-1] or f"{os.sep}triton{os.sep}" in path:
                 return None  # the interpreter moving kernel arguments: on a GPU this is the launch
-            if path == HOST_SORT:  # sorts host tensors it is given: a read counts where its caller is
+            if path in HOST_HELPERS:  # sort / nonzero of host tensors it is given: a read counts where its caller is
                 frame = frame.f_back
                 continue
             if any(path.startswith(p) for p in HOST_SIDE):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from cachedemb.kernels.host_nonzero import nonzero_1d
+from cachedemb.prefetch import host_map
 EMPTY = -1
 TOMB = -2
 TAIL = 1024  # probe positions past the last home; a probe that would run past them makes the map grow
@@ -61,13 +62,19 @@ class IdMap:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.words, self.pinned))
 
+    def _bits(self) -> int:
+        return self.size.bit_length() - 1
+
     def _home(self, ids: torch.Tensor) -> torch.Tensor:
         # the top log2(S) bits of the wrapped product, made non-negative (>> is arithmetic on int64)
-        return ((ids * _MULT) >> (64 - (self.size.bit_length() - 1))) & (self.size - 1)
+        return ((ids * _MULT) >> (64 - self._bits())) & (self.size - 1)
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
         """Position of each id in the map, -1 where it is absent. The first probes go one position at a time
         (most chains end there); the few ids still probing then look WINDOW positions ahead at once."""
+        c = host_map.lib()
+        if c is not None:
+            return host_map.find(c, self.keys, self._bits(), ids)
         pos = torch.full_like(ids, -1)
         idx = torch.arange(ids.numel())
         q, p = ids, self._home(ids)
@@ -121,13 +128,21 @@ class IdMap:
     def drop_empty(self, pos: torch.Tensor) -> None:
         """The ids at `pos` whose words are all zero leave the map (TOMB: later inserts reuse the position),
         unless pinned."""
+        c = host_map.lib()
+        if c is not None:
+            host_map.drop_empty(c, self.keys, self.words, self.pinned, pos)
+            return
         empty = (self.words.index_select(0, pos) == 0).all(1) & self.pinned.index_select(0, pos).logical_not()
         self.keys.index_fill_(0, pos.index_select(0, nonzero_1d(empty)), TOMB)
 
     def _probe_insert(self, ids: torch.Tensor):
         """Each round every pending id tries its next position; among ids trying the same free (EMPTY or TOMB)
         position one wins (the write that lands), the rest probe on. Returns (positions, TOMBs reused), or
-        (None, 0) with the map unchanged if a probe would leave the tail."""
+        (None, 0) with the map unchanged if a probe would leave the tail. (In C: one id after another, each at the
+        first free position of its probe.)"""
+        c = host_map.lib()
+        if c is not None:
+            return host_map.insert(c, self.keys, self._bits(), self.none, ids)
         pos = torch.full_like(ids, -1)
         was = torch.full_like(ids, EMPTY)
         idx = torch.arange(ids.numel())

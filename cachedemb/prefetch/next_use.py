@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from cachedemb.kernels.host_nonzero import nonzero_1d
+from cachedemb.prefetch import host_map
 from cachedemb.prefetch.id_map import IdMap
 
 
@@ -74,12 +75,16 @@ class NextUseTracker:
         if self.num_rows is not None and uniq.numel() and (int(uniq.min()) < 0 or int(uniq.max()) >= self.num_rows):
             raise ValueError(f"ids must be in [0, {self.num_rows}), got {int(uniq.min())}..{int(uniq.max())}")
         word, bit = self._bit(batch)
+        c = host_map.lib()
         old = self.ring.pop(batch - self.span, None)
         if old is not None:  # the position now means `batch`: clear the uses of the batch `span` earlier
             _, pos = self._positions(old)
-            column = self.map.words[:, word]
-            column.index_copy_(0, pos, column.index_select(0, pos) & ~bit)
-            self.map.drop_empty(pos)  # ids with no use left in the ring
+            if c is not None:  # (and drop the ids with no use left in the ring)
+                host_map.bits_clear_drop(c, self.map.keys, self.map.words, self.map.pinned, word, bit, pos)
+            else:
+                column = self.map.words[:, word]
+                column.index_copy_(0, pos, column.index_select(0, pos) & ~bit)
+                self.map.drop_empty(pos)  # ids with no use left in the ring
         self.map.reserve(uniq.numel())  # before finding: growing the map moves every position
         pos = self.map.find(uniq)
         new = nonzero_1d(pos < 0)
@@ -88,8 +93,11 @@ class NextUseTracker:
             pos.index_copy_(0, new, self.map.insert(uniq.index_select(0, new)))
             if self.map.relayouts != layout:  # the insert had to lay the map out anew
                 pos = self.map.find(uniq)
-        column = self.map.words[:, word]
-        column.index_copy_(0, pos, column.index_select(0, pos) | bit)
+        if c is not None:
+            host_map.bits_set(c, self.map.words, word, bit, pos)
+        else:
+            column = self.map.words[:, word]
+            column.index_copy_(0, pos, column.index_select(0, pos) | bit)
         self.ring[batch] = (uniq, pos, self.map.relayouts)
         self.entered += 1
 
@@ -125,6 +133,11 @@ class NextUseTracker:
 
     def _first_in(self, pos: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """First batch in [lo, hi) whose bit is set in the words at map positions `pos`, -1: none."""
+        c = host_map.lib()
+        if c is not None:
+            return host_map.first_in(c, self.map.words, pos, [
+                (word, _signed(((1 << (hi_bit - lo_bit)) - 1) << lo_bit), first_batch - lo_bit)
+                for word, lo_bit, hi_bit, first_batch in self._segments(lo, hi)])
         rows = self.map.words.index_select(0, pos)
         value = base = None  # per id: the bits of the first segment that has any, and the batch of its bit 0
         for word, lo_bit, hi_bit, first_batch in self._segments(lo, hi):
@@ -170,7 +183,7 @@ class NextUseTracker:
             changed = nonzero_1d(ids != kept_ids)
             old = kept_pos.index_select(0, changed)
             old = old[old != self.map.none]
-            self.map.pinned.index_fill_(0, old, False)
+            self._fill(self.map.pinned, old, False)
             self.map.drop_empty(old)
         else:  # first call, or the map was laid out anew: every position moved
             old = None
@@ -192,7 +205,7 @@ class NextUseTracker:
                 self._uses = None
                 return self.slot_uses(ids, now, horizon)
             pos.index_copy_(0, again, found)
-            self.map.pinned.index_fill_(0, found, True)
+            self._fill(self.map.pinned, found, True)
         incremental = self._uses is not None and self._slot_at is not None and changed.numel() < ids.numel() \
             and self._uses[2].shape == ids.shape and layout == self.map.relayouts
         tracked = self._track_slots(pos, changed if incremental else None, old if incremental else None)
@@ -245,7 +258,13 @@ class NextUseTracker:
             self._slot_at = torch.full((size,), -1, dtype=torch.int64)
             changed = torch.arange(pos.numel())
         elif old is not None:
-            self._slot_at.index_fill_(0, old, -1)
+            self._fill(self._slot_at, old, -1)
+        c = host_map.lib()
+        if c is not None:
+            if not host_map.track_slots(c, self._slot_at, pos, changed, self.map.none):
+                self._slot_at = None
+                return False
+            return True
         at = pos.index_select(0, changed)
         live = at != self.map.none
         changed, at = changed[live], at[live]
@@ -255,6 +274,14 @@ class NextUseTracker:
         if not ok:
             self._slot_at = None
         return ok
+
+    @staticmethod
+    def _fill(target: torch.Tensor, pos: torch.Tensor, value) -> None:
+        c = host_map.lib()
+        if c is not None:
+            host_map.fill(c, target, pos, value)
+        else:
+            target.index_fill_(0, pos, value)
 
     def _insert_absent(self, ids: torch.Tensor) -> torch.Tensor:
         """Positions of absent ids (duplicates allowed), inserted once each with no uses."""

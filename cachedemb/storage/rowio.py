@@ -10,24 +10,16 @@ runs. Both give the same bytes (tests/test_storage_file.py runs both).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from cachedemb.kernels.native import load_c
+
 _SOURCE = Path(__file__).with_name("rowio.c")
 _lib = None
 _tried = False
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cachedemb"
 
 
 def _load():
@@ -36,23 +28,10 @@ def _load():
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("CACHEDEMB_STORAGE_IO", "c") == "python" or sys.platform == "win32":
+    if os.environ.get("CACHEDEMB_STORAGE_IO", "c") == "python":
         return None
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None or not _SOURCE.is_file():
-        return None
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
-    target = _cache_dir() / f"rowio-{digest}-{sys.platform}.so"
-    try:
-        if not target.is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(_SOURCE)], check=True,
-                               capture_output=True, timeout=60)
-                os.replace(built, target)  # atomic: concurrent first uses each build, one wins
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError):
+    lib = load_c(_SOURCE)
+    if lib is None:
         return None
     i64p = ctypes.POINTER(ctypes.c_int64)
     for name in ("cemb_pread_spans", "cemb_pwrite_spans"):

@@ -1,0 +1,109 @@
+/* The look-ahead's host id map (cachedemb/prefetch/id_map.py) and use bits (next_use.py), one pass per id in C.
+ * Loaded with ctypes, which releases the GIL for each call, so the read-ahead thread runs beside the step. The
+ * torch code in those files is the reference: same map layout rules (linear probing from the multiplicative
+ * hash's top bits, EMPTY -1 / TOMB -2, a tail before the always-EMPTY last position), same answers.
+ */
+#include <stdint.h>
+
+#define EMPTY (-1)
+#define TOMB (-2)
+#define MULT ((uint64_t)0x9E3779B97F4A7C15ULL)
+
+static inline int64_t home(int64_t id, int64_t bits) {
+    int64_t prod = (int64_t)((uint64_t)id * MULT);
+    return (prod >> (64 - bits)) & (((int64_t)1 << bits) - 1);
+}
+
+/* out[i]: the position of ids[i], -1 where absent. */
+void cemb_map_find(const int64_t *keys, int64_t bits, const int64_t *ids, int64_t n, int64_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t id = ids[i], p = home(id, bits), found = -1;
+        for (;; p++) {
+            int64_t k = keys[p];
+            if (k == id) { found = p; break; }
+            if (k == EMPTY) break;
+        }
+        out[i] = found;
+    }
+}
+
+/* Insert distinct absent ids at the first free (EMPTY or TOMB) position of their probe; out[i] its position.
+ * Returns the TOMBs reused, or -1 (the map unchanged) if a probe would reach position `none`. */
+int64_t cemb_map_insert(int64_t *keys, int64_t bits, int64_t none, const int64_t *ids, int64_t n, int64_t *out,
+                        int64_t *was) {
+    int64_t reused = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t p = home(ids[i], bits);
+        while (keys[p] >= 0) p++;
+        if (p >= none) {
+            for (int64_t j = i - 1; j >= 0; j--) keys[out[j]] = was[j];
+            return -1;
+        }
+        was[i] = keys[p];
+        reused += keys[p] == TOMB;
+        keys[p] = ids[i];
+        out[i] = p;
+    }
+    return reused;
+}
+
+/* The ids at `pos` whose W words are all zero leave the map (TOMB), unless pinned. */
+void cemb_map_drop_empty(int64_t *keys, const int64_t *words, const uint8_t *pinned, int64_t W, const int64_t *pos,
+                         int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t p = pos[i], any = 0;
+        for (int64_t w = 0; w < W; w++) any |= words[p * W + w];
+        if (!any && !pinned[p]) keys[p] = TOMB;
+    }
+}
+
+/* words[pos[i], word] |= bit (set) or &= ~bit (clear, then drop the ids left with no word, unless pinned). */
+void cemb_bits_set(int64_t *words, int64_t W, int64_t word, int64_t bit, const int64_t *pos, int64_t n) {
+    for (int64_t i = 0; i < n; i++) words[pos[i] * W + word] |= bit;
+}
+
+void cemb_bits_clear_drop(int64_t *keys, int64_t *words, const uint8_t *pinned, int64_t W, int64_t word,
+                          int64_t bit, const int64_t *pos, int64_t n) {
+    for (int64_t i = 0; i < n; i++) words[pos[i] * W + word] &= ~bit;
+    cemb_map_drop_empty(keys, words, pinned, W, pos, n);
+}
+
+/* out[i]: the first batch whose bit is set in the words at pos[i], over segments s in batch order (word
+ * seg_word[s], bits seg_mask[s], the batch of bit 0 seg_base[s]); -1: none. */
+void cemb_first_in(const int64_t *words, int64_t W, const int64_t *pos, int64_t n, const int64_t *seg_word,
+                   const int64_t *seg_mask, const int64_t *seg_base, int64_t nseg, int64_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t p = pos[i], first = -1;
+        for (int64_t s = 0; s < nseg; s++) {
+            uint64_t v = (uint64_t)(words[p * W + seg_word[s]] & seg_mask[s]);
+            if (v) { first = seg_base[s] + __builtin_ctzll(v); break; }
+        }
+        out[i] = first;
+    }
+}
+
+/* a[pos[i]] = value (pins: a bool array as bytes; the slot-at array). */
+void cemb_fill_u8(uint8_t *a, const int64_t *pos, int64_t n, int64_t value) {
+    for (int64_t i = 0; i < n; i++) a[pos[i]] = (uint8_t)value;
+}
+
+void cemb_fill_i64(int64_t *a, const int64_t *pos, int64_t n, int64_t value) {
+    for (int64_t i = 0; i < n; i++) a[pos[i]] = value;
+}
+
+/* slot_at[pos[changed[i]]] = changed[i] for the changed slots with a position (not `none`); returns 0 where a
+ * position was taken already (by another slot, or by two changed ones), else 1. */
+int64_t cemb_track_slots(int64_t *slot_at, const int64_t *pos, const int64_t *changed, int64_t n, int64_t none) {
+    int64_t ok = 1;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t p = pos[changed[i]];
+        if (p == none) continue;
+        if (slot_at[p] >= 0) ok = 0;
+        slot_at[p] = changed[i];
+    }
+    for (int64_t i = 0; i < n && ok; i++) {
+        int64_t p = pos[changed[i]];
+        if (p != none && slot_at[p] != changed[i]) ok = 0;
+    }
+    return ok;
+}

@@ -1,0 +1,112 @@
+"""The id map's and use bits' per-id loops in C (host_map.c), for the read-ahead thread.
+
+The torch code of id_map.py / next_use.py makes ~10 passes over a batch's ~40k ids, each a random gather or
+scatter over a map of millions of positions: ~8 ms a batch to enter, ~10 ms a window for the slots' next uses,
+more than the step it runs beside on a small machine. The C loops make one pass per id (and hold no GIL). Used
+when a compiler is at hand (kernels/native.py) and `enabled`; the torch code is the reference, and the tests run
+both (same answers; the map's internal positions may differ).
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from cachedemb.kernels.native import load_c
+
+_SOURCE = Path(__file__).with_name("host_map.c")
+enabled = True  # False: the torch code (tests switch it)
+_lib = None
+_tried = False
+
+_I64 = ctypes.c_int64
+_P = ctypes.c_void_p
+_SIGNATURES = {
+    "cemb_map_find": [_P, _I64, _P, _I64, _P],
+    "cemb_map_insert": [_P, _I64, _I64, _P, _I64, _P, _P],
+    "cemb_map_drop_empty": [_P, _P, _P, _I64, _P, _I64],
+    "cemb_bits_set": [_P, _I64, _I64, _I64, _P, _I64],
+    "cemb_bits_clear_drop": [_P, _P, _P, _I64, _I64, _I64, _P, _I64],
+    "cemb_first_in": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P],
+    "cemb_fill_u8": [_P, _P, _I64, _I64],
+    "cemb_fill_i64": [_P, _P, _I64, _I64],
+    "cemb_track_slots": [_P, _P, _P, _I64, _I64],
+}
+
+
+def lib():
+    """The C library, or None (disabled, or no compiler)."""
+    global _lib, _tried
+    if not enabled:
+        return None
+    if not _tried:
+        _tried = True
+        loaded = load_c(_SOURCE)
+        if loaded is not None:
+            for name, args in _SIGNATURES.items():
+                fn = getattr(loaded, name)
+                fn.argtypes = args
+                fn.restype = _I64 if name in ("cemb_map_insert", "cemb_track_slots") else None
+        _lib = loaded
+    return _lib
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _ids(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64).contiguous()
+
+
+def find(c, keys: torch.Tensor, bits: int, ids: torch.Tensor) -> torch.Tensor:
+    ids = _ids(ids)
+    out = torch.empty_like(ids)
+    c.cemb_map_find(_ptr(keys), bits, _ptr(ids), ids.numel(), _ptr(out))
+    return out
+
+
+def insert(c, keys: torch.Tensor, bits: int, none: int, ids: torch.Tensor):
+    """(positions, TOMBs reused), or (None, 0) with the map unchanged if a probe would reach `none`."""
+    ids = _ids(ids)
+    out, was = torch.empty_like(ids), torch.empty_like(ids)
+    reused = c.cemb_map_insert(_ptr(keys), bits, none, _ptr(ids), ids.numel(), _ptr(out), _ptr(was))
+    return (None, 0) if reused < 0 else (out, int(reused))
+
+
+def drop_empty(c, keys, words, pinned, pos: torch.Tensor) -> None:
+    pos = _ids(pos)
+    c.cemb_map_drop_empty(_ptr(keys), _ptr(words), _ptr(pinned), words.shape[1], _ptr(pos), pos.numel())
+
+
+def bits_set(c, words, word: int, bit: int, pos: torch.Tensor) -> None:
+    pos = _ids(pos)
+    c.cemb_bits_set(_ptr(words), words.shape[1], word, bit, _ptr(pos), pos.numel())
+
+
+def bits_clear_drop(c, keys, words, pinned, word: int, bit: int, pos: torch.Tensor) -> None:
+    pos = _ids(pos)
+    c.cemb_bits_clear_drop(_ptr(keys), _ptr(words), _ptr(pinned), words.shape[1], word, bit, _ptr(pos), pos.numel())
+
+
+def first_in(c, words, pos: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
+    """segments: (word, mask, batch of bit 0) in batch order."""
+    pos = _ids(pos)
+    out = torch.empty_like(pos)
+    seg = torch.tensor(segments, dtype=torch.int64).reshape(-1, 3).t().contiguous()
+    c.cemb_first_in(_ptr(words), words.shape[1], _ptr(pos), pos.numel(), _ptr(seg[0]), _ptr(seg[1]), _ptr(seg[2]),
+                    seg.shape[1], _ptr(out))
+    return out
+
+
+def fill(c, target: torch.Tensor, pos: torch.Tensor, value: int) -> None:
+    """target[pos] = value for a bool or int64 host tensor."""
+    pos = _ids(pos)
+    fn = c.cemb_fill_u8 if target.dtype == torch.bool else c.cemb_fill_i64
+    fn(_ptr(target), _ptr(pos), pos.numel(), int(value))
+
+
+def track_slots(c, slot_at: torch.Tensor, pos: torch.Tensor, changed: torch.Tensor, none: int) -> bool:
+    pos, changed = _ids(pos), _ids(changed)
+    return bool(c.cemb_track_slots(_ptr(slot_at), _ptr(pos), _ptr(changed), changed.numel(), none))

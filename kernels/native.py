@@ -1,0 +1,50 @@
+"""Small C helpers compiled on first use with the system's `cc`, loaded with ctypes (which releases the GIL for
+each call); every caller keeps a Python path for machines without a compiler, and the tests run both.
+
+The library is built once into a per-user cache keyed by the source's hash (about 0.1 s) and shared between
+processes (an atomic rename: concurrent first uses each build, one wins). `CACHEDEMB_NATIVE=0` (or the caller's
+own switch) turns them off.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_LOADED: dict[Path, ctypes.CDLL | None] = {}
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cachedemb"
+
+
+def load_c(source: Path) -> ctypes.CDLL | None:
+    """The compiled library of a C file, or None (no compiler, Windows, the build failed, or disabled)."""
+    source = Path(source)
+    if source in _LOADED:
+        return _LOADED[source]
+    lib = None
+    if os.environ.get("CACHEDEMB_NATIVE", "1") != "0" and sys.platform != "win32" and source.is_file():
+        cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+        if cc is not None:
+            digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+            target = _cache_dir() / f"{source.stem}-{digest}-{sys.platform}.so"
+            try:
+                if not target.is_file():
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                        built = Path(tmp) / target.name
+                        subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(source)], check=True,
+                                       capture_output=True, timeout=60)
+                        os.replace(built, target)
+                lib = ctypes.CDLL(str(target))
+            except (OSError, subprocess.SubprocessError):
+                lib = None
+    _LOADED[source] = lib
+    return lib
