@@ -41,7 +41,7 @@ def test_curve_points_equal_direct_simulation(zipf, policy):
     assert curve.sizes[0] == 0 and curve.rows_moved[0] == curve.unique_lookups
     assert curve.method == ("stack" if policy == "lru" else "simulation") and curve.stderr is None
     prep = simulators.prepare_trace(zipf)
-    kw = {"horizon": 8, "depth": 2, "prefetch": True} if policy == "lookahead" else {}
+    kw = {"horizon": 8, "depth": 2, "prefetch": True, "overlap": True} if policy == "lookahead" else {}
     for size, moved in zip(curve.sizes[1:], curve.rows_moved[1:]):
         r = simulators.simulate(policy, prep, int(size), **kw)
         assert moved == r.rows_moved, size

@@ -196,7 +196,7 @@ def test_cli_prints_writes_json_and_draws(data_dir, tmp_path, capsys):
     la = main(["--data", str(data_dir), "--budget", "512KiB", "--batch-size", "256", "--points", "4", "--compare", "",
                "--limit-batches", "6",
                "--policy", "lookahead", "--depth", "2", "--horizon", "4", "--json", "-"])
-    assert la["policy"] == "lookahead" and la["options"] == {"horizon": 4, "depth": 2, "overlap": False,
+    assert la["policy"] == "lookahead" and la["options"] == {"horizon": 4, "depth": 2, "overlap": True,
                                                              "warmup_ratio": 0.7}
     with pytest.raises(SystemExit):
         main(["--data", str(data_dir), "--budget", "512KiB", "--compare", "fifo"])

@@ -27,8 +27,9 @@ def parse_args(argv):
                         "opt (Belady, the floor)")
     p.add_argument("--depth", type=int, default=4, help="look-ahead: batches admitted at once (prefetch depth)")
     p.add_argument("--horizon", type=int, default=64, help="look-ahead: batches of ids seen ahead")
-    p.add_argument("--overlap", action="store_true",
-                   help="look-ahead: the next window is admitted during the current one (prefetch's CUDA default)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="look-ahead: the next window is admitted during the current one (cachedemb.prefetch's "
+                        "default; --no-overlap for prefetch(..., overlap=False))")
     p.add_argument("--compare", default="lfu,lru,lookahead,opt",
                    help="policies whose curves are also drawn and written (comma-separated; '' for none)")
     p.add_argument("--batch-size", type=int, default=16384, help="training batch size (rows per step)")

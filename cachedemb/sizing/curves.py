@@ -2,7 +2,7 @@
 
 The cache model is the simulators' (`cachedemb.sizing.simulators`): batch-granular, a batch's distinct ids
 resident together, a miss moves one row; the look-ahead policy replays `cachedemb.prefetch`'s windows (the
-union of up to ``depth`` batches admitted at each window start, ``overlap`` as on CUDA). The miss ratio is rows moved ÷ per-batch distinct ids (1 - the module's `hit_rate`).
+union of up to ``depth`` batches admitted at each window start, ``overlap`` as `cachedemb.prefetch` does by default). The miss ratio is rows moved ÷ per-batch distinct ids (1 - the module's `hit_rate`).
 
 How each curve is computed:
 
@@ -221,7 +221,7 @@ def _ratios(trace: TableTrace, policy: str, sizes: np.ndarray, options: dict, wa
 
 
 def miss_ratio_curve(trace, policy: str = "lfu", sizes=None, *, horizon: int = 64, depth: int = 4,
-                     overlap: bool = False, num_rows: int | None = None, warm_start: WarmStart | None = None, sample_rate: float = 1.0,
+                     overlap: bool = True, num_rows: int | None = None, warm_start: WarmStart | None = None, sample_rate: float = 1.0,
                      max_unique: int | None = None, salt: int = 0, error_bands: int = 4,
                      points: int = 32) -> MissRatioCurve:
     """The miss-ratio curve of one table's ``trace`` under ``policy`` (``"lfu"``, ``"lru"``, ``"lookahead"``:

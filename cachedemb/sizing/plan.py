@@ -374,7 +374,7 @@ def _costs(specs, curves, top, floor, cost="device") -> list[TableCost]:
 
 
 def plan(source, budget_bytes: int | str, tables=None, *, optimizer=None, policy: str = "lfu", horizon: int = 64,
-         depth: int = 4, overlap: bool = False, compare: Sequence[str] = (), groups="collection", id_freq="auto",
+         depth: int = 4, overlap: bool = True, compare: Sequence[str] = (), groups="collection", id_freq="auto",
          warmup_ratio: float = 0.7, host_budget_bytes: int | str | None = None, min_rows: int | str = "batch",
          embedding_dim: int | None = None,
          points: int = 24, refine: int = 6, error_bands: int = 4, batch_size: int | None = None,
@@ -387,7 +387,7 @@ def plan(source, budget_bytes: int | str, tables=None, *, optimizer=None, policy
     the data directory's, or ``embedding_dim`` for array traces); ``optimizer``: the `cachedemb.optim` spec the
     module trains with (its state moves with each row). ``policy``: the module's eviction policy (``"lfu"``, its
     default; ``"lookahead"`` under `cachedemb.prefetch` with its ``horizon``, ``depth`` and ``overlap`` (on by
-    default for CUDA caches); ``"lru"``; ``"opt"``, the floor); ``compare``: more policies whose curves are computed for the report. ``groups``: ``"collection"``
+    default, as in the pipeline); ``"lru"``; ``"opt"``, the floor); ``compare``: more policies whose curves are computed for the report. ``groups``: ``"collection"``
     (tables of one (dim, pooling, dtype) share a cache, as CachedEmbeddingBagCollection builds them), None (a
     cache per table) or lists of table names. ``id_freq``: {table: train counts} the module warm-starts from
     (``"auto"``: a data directory's, else none), preloading ``warmup_ratio`` of each cache.

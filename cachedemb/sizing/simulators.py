@@ -490,7 +490,7 @@ def simulate_lookahead(trace, capacity: int, horizon: int, depth: int = 1, *, in
     ``prefetch=True`` replays `cachedemb.prefetch`'s windows instead of a window sliding every batch: at a
     window start ``s`` the union of batches ``s..s+k-1`` is admitted (``k <= depth``: batches join while the union
     fits, in half the cache for two or more; 0: batch ``s`` alone, oversized) and protected until ``s+k``, where
-    the next window starts (1 for k = 0); ``overlap=True`` (its CUDA default) also admits the next window at ``s``
+    the next window starts (1 for k = 0); ``overlap=True`` (cachedemb.prefetch's default) also admits the next window at ``s``
     when both unions fit together.
     With ``depth=1`` both modes are the same.
     """

@@ -270,7 +270,7 @@ def size_caches(args, config: DLRMConfig, sparse_opt, data_dir: Path) -> sizing.
     horizon = args.prefetch_horizon if args.prefetch_horizon is not None else depth
     plan = sizing.plan(str(data_dir), args.cache_budget, config.tables(), optimizer=sparse_opt,
                        policy="lookahead" if depth > 0 else "lfu", depth=max(depth, 1), horizon=max(horizon, 1),
-                       overlap=args.device.startswith("cuda"),  # cachedemb.prefetch's default
+                       overlap=True,  # cachedemb.prefetch's default (a CUDA side stream, a host thread on CPU)
                        batch_size=args.batch_size, limit_batches=args.limit_batches, shuffle=True, seed=args.seed,
                        epoch=0, id_freq="auto")
     if not args.quiet and getattr(args, "rank", 0) == 0:
