@@ -437,6 +437,44 @@ def test_a_slow_window_copy_spanning_later_forwards_is_not_taken_for_an_outside_
     assert torch.equal(train(plain, []), train(ahead, []))
 
 
+def test_the_read_ahead_starts_no_task_while_a_window_copy_runs(monkeypatch):
+    """On a small machine the copy the next window waits for should not share a core with the read-ahead: no
+    read-ahead task starts while a copy runs (the copies are slowed to make that visible); training is unchanged."""
+    batches = mixed_batches(300, 30, seed=31)
+    plain, ahead = make(cache_rows=60), make(cache_rows=60)
+    copies, entered = [], []
+    real_move = ahead.cache._move_rows
+
+    def slow(*args, **kwargs):
+        if threading.current_thread().name != "cachedemb-window-copy":
+            return real_move(*args, **kwargs)
+        start = time.perf_counter()
+        time.sleep(0.05)
+        out = real_move(*args, **kwargs)
+        copies.append((start, time.perf_counter()))
+        return out
+
+    from cachedemb.prefetch.read_ahead import ReadAhead
+
+    def recording(real):
+        def task(self, *args):
+            entered.append(time.perf_counter())
+            time.sleep(0.015)  # a backlog of read-ahead tasks when the copy starts
+            return real(self, *args)
+        return task
+
+    ahead.cache._move_rows = slow
+    for name in ("_enter", "_unique", "_next_use"):
+        monkeypatch.setattr(ReadAhead, name, recording(getattr(ReadAhead, name)))
+    for (ids, offsets), (ids_a, offsets_a) in zip(batches, cachedemb.prefetch(batches, [ahead], depth=2, horizon=8)):
+        plain(ids, offsets).pow(2).sum().backward()
+        ahead(ids_a, offsets_a).pow(2).sum().backward()
+    assert len(copies) > 5 and len(entered) > 20
+    # (a task already past the gate when a copy begins may start within a moment of it)
+    assert not [t for t in entered for a, b in copies if a + 0.02 < t < b]
+    assert torch.equal(train(plain, []), train(ahead, []))
+
+
 def test_an_eval_forward_during_a_window_copy_sees_the_rows_written_back():
     """An unannounced forward (eval) inside the loop waits for the window's copies first: it reads the same
     values as a module trained without prefetch."""

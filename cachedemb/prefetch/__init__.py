@@ -32,7 +32,8 @@ backward has been issued):
    issued on the current stream; `record_stream`; an event); on CPU on a host thread ("cachedemb-window-copy"),
    started by the next announced forward once its module has counted who holds the host table (a copy in flight
    holds views of it: a later forward whose count finds an extra holder while a copy runs waits for the copy and
-   counts again), and waited for when the window is activated [transfer_wait]. A CPU cache behind a host tier
+   counts again), and waited for when the window is activated [transfer_wait]; the read-ahead thread starts no
+   task while a copy runs (on a small machine the two would share a core, and the next window waits for the copy). A CPU cache behind a host tier
    (cachedemb.storage, which stages host rows meanwhile) moves them on this thread at once.
 4. hand-off: give each cache this batch's unique ids, and inside a window their slots, if the read-ahead thread
    has them (never waited for): its forward then neither sorts its ids nor looks them up (cache/ahead.py; a CPU

@@ -28,6 +28,29 @@ def default_ids(module, batch) -> list[tuple[EmbeddingCache, torch.Tensor]]:
                     "ids=lambda batch: [ids_for_module_0, ...] to prefetch()")
 
 
+class WindowCopier:
+    """The host thread that moves a CPU window's rows during compute; the read-ahead starts no task meanwhile (the
+    next window waits for the copy, the read-ahead has slack)."""
+
+    def __init__(self, read_ahead: Worker):
+        self.read_ahead = read_ahead
+        self.worker = Worker(name="cachedemb-window-copy")
+
+    def _run(self, fn, args):
+        self.read_ahead.may_start.clear()
+        try:
+            return fn(*args)
+        finally:
+            self.read_ahead.may_start.set()
+
+    def submit(self, fn, *args) -> Future:
+        return self.worker.submit(self._run, fn, args)
+
+    def close(self) -> None:
+        self.worker.close()
+        self.read_ahead.may_start.set()
+
+
 class Prefetcher:
     """Iterator over `batches` that keeps the given modules' caches one window ahead (see the package docstring)."""
 
@@ -64,7 +87,7 @@ class Prefetcher:
         self.next_uses: dict[int, tuple[list, Future]] = {}  # window start -> (snapshots, their next uses)
         self.uniques: dict[int, Future] = {}  # batch -> its forward's unique ids, computed ahead
         self.streams: dict = {}
-        self.copier: Worker | None = None  # the host thread moving a CPU window's rows during compute
+        self.copier: WindowCopier | None = None  # the host thread moving a CPU window's rows during compute
         self.refused = False
 
     # ----------------------------------------------------------------- reading
@@ -180,7 +203,7 @@ class Prefetcher:
             if not self.threaded or cache.host_fence is not None:
                 return None
             if self.copier is None:
-                self.copier = Worker(name="cachedemb-window-copy")
+                self.copier = WindowCopier(self.worker.worker)
             return self.copier
         if cache.device not in self.streams:
             self.streams[cache.device] = torch.cuda.Stream(cache.device)

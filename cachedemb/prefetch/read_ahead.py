@@ -70,6 +70,10 @@ class Worker:
         self.ready = threading.Condition()
         self.stopping = False
         self.failed: BaseException | None = None
+        # cleared while a window's rows are being moved on another host thread: tasks wait to start, so on a small
+        # machine the copy (which the next window waits for) does not share a core with the read-ahead
+        self.may_start = threading.Event()
+        self.may_start.set()
         self.thread = None
         if threaded:
             self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -111,6 +115,7 @@ class Worker:
                 if self.stopping:
                     return
                 future, fn, args = (self.urgent or self.ordered).popleft()
+            self.may_start.wait()
             self._call(future, fn, args)
 
     def close(self) -> None:
