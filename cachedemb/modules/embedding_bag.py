@@ -426,6 +426,7 @@ class CachedEmbeddingBag(nn.Module):
         return shared
 
     def _held_outside(self) -> bool:
+        """The reference and storage-use counts of `_table_shared`, taken once."""
         own_refs = 3 if self.optimizer is None else 2  # __dict__ (+ _parameters) + getrefcount's argument
         table = self.__dict__["_table"]
         return sys.getrefcount(table) > own_refs + 1 or _storage_users(table) > _OWN_STORAGE_USERS

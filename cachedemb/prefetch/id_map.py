@@ -22,6 +22,7 @@ import torch
 
 from cachedemb.kernels.host_nonzero import nonzero_1d
 from cachedemb.prefetch import host_map
+
 EMPTY = -1
 TOMB = -2
 TAIL = 1024  # probe positions past the last home; a probe that would run past them makes the map grow
