@@ -10,7 +10,9 @@ time. Runs: host caches of 1/4 and 1/16 of the table, without and with cachedemb
 read from the file ahead on the I/O threads), and the 1/16 runs cold: the file's pages dropped from the OS page
 cache (posix_fadvise(DONTNEED), not timed) before every block.
 
-Per run: median seconds per step of each, the median of the block-by-block ratios, rows/s read and written,
+Per run: median seconds per step of each, the median of the block-by-block ratios, the file step over the
+in-memory step timed before any file existed (`ratio_to_clean_memory`: the kernel's write-back of the file's dirty
+pages also slows the memory blocks it lands in), rows/s read and written,
 bytes read per step as requested from the file (records) and as read from the disk (/proc/self/io read_bytes:
 whole pages, cold runs), against the lower bound: the host cache's misses x record bytes.
 
@@ -136,6 +138,15 @@ def main():
                                        device="cpu")
     for ids in batches[: args.warmup]:
         mem(ids, offsets).sum().backward()
+    # The in-memory step before any file exists: on a page-cache file system the kernel writes the file's dirty
+    # pages back in the background, which lands in whichever block runs (the memory blocks too).
+    clean = []
+    for r in range(args.rounds):
+        t = time.perf_counter()
+        for ids in batches[args.warmup + r * args.block: args.warmup + (r + 1) * args.block]:
+            mem(ids, offsets).sum().backward()
+        clean.append((time.perf_counter() - t) / args.block)
+    out["memory_clean_step_s"] = statistics.median(clean)
     work = Path(tempfile.mkdtemp(prefix="cachedemb-bench-", dir=args.dir))
     path = work / "table.cemb"
     try:
@@ -148,6 +159,7 @@ def main():
         table_bytes = creator.table.header.num_rows * creator.table.record
         out["table_bytes"], out["record_bytes"] = table_bytes, creator.table.record
         creator.close()
+        os.sync()  # the creation's dirty pages reach the disk now, not in the background during timed blocks
         for fraction in args.fractions:
             for cold in ([False, True] if fraction == max(args.fractions) and not args.warm_only else [False]):
                 for pf in (None, prefetch):
@@ -159,7 +171,8 @@ def main():
                     result = rounds(emb, mem, batches, offsets, args.warmup, args.rounds, args.block, pf, cold)
                     name = f"file 1/{fraction}" + (" +prefetch" if pf else "") + (" cold" if cold else "")
                     result = dict(name=name, host_cache_bytes=table_bytes // fraction,
-                                  host_rows=emb.host.base - emb.host.first, **result)
+                                  host_rows=emb.host.base - emb.host.first, **result,
+                                  ratio_to_clean_memory=result["step_s"] / out["memory_clean_step_s"])
                     out["runs"].append(result)
                     print(json.dumps(result), flush=True)
                     emb.close()

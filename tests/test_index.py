@@ -252,10 +252,10 @@ def test_build_refuses_more_ids_than_positions():
 
 
 def test_host_row_index_grows_past_the_rows_it_was_sized_for():
-    """The file tier's host index (storage/host_cache.RowIndex) is sized for its slab; staging rows (a batch
+    """The file tier's host index (storage/row_index.RowIndex) is sized for its slab; staging rows (a batch
     larger than the slab) can hold many more ids. It grows instead of filling up (a full index never ends a
     rebuild's probe), and every id stays found."""
-    from cachedemb.storage.host_cache import RowIndex
+    from cachedemb.storage.row_index import RowIndex
 
     import numpy as np
 

@@ -24,9 +24,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cachedemb import kernels
-from cachedemb.kernels import id_index
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
+from cachedemb.storage.row_index import RowIndex
 from cachedemb.storage.table_file import IoTicket, TableFile
 
 EVICT_FRACTION = 16  # an eviction frees at least 1/16 of the slab, so its O(slab) ranking is amortized
@@ -50,56 +49,6 @@ def slab_rows(host_cache_bytes: int, record_bytes: int) -> int:
         best = max(best, rows)
         size *= 2
     return best
-
-
-class RowIndex:
-    """Exact table id -> slab row map on the host: the device cache's packed open addressing
-    (`kernels.id_index`, 8 B a position, a power of two >= 2x the rows), its tombstones cleared by an in-place
-    rebuild once 5/8 of the positions are used."""
-
-    def __init__(self, rows: int):
-        self.keys = id_index.new_index(2 * rows, "cpu")  # >= 4x the rows: a rebuild every few batches at most
-        self.used = 0
-        self.limit = self.keys.numel() * 5 // 8
-
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        q = torch.from_numpy(ids)
-        return kernels.index_lookup(self.keys, q, torch.tensor([q.numel()]), True).numpy()
-
-    def insert(self, ids: np.ndarray, rows: np.ndarray, live) -> None:
-        """Insert absent `ids` at `rows`; `live()` gives the other resident (ids, rows), for a rebuild."""
-        if self.used + ids.size > self.limit:
-            l_ids, l_rows = live()
-            # Staging rows (a batch larger than the slab) can outgrow the index it was sized for: keep the
-            # load at most 1/4 after the rebuild, as at construction.
-            size = self.keys.numel()
-            while 4 * (l_ids.size + ids.size) > size:
-                size *= 2
-            if size != self.keys.numel():
-                self.keys = torch.full((size,), id_index.EMPTY, dtype=torch.int64)
-                self.limit = size * 5 // 8
-            self.rebuild(l_ids, l_rows)
-        q, r = torch.from_numpy(ids), torch.from_numpy(rows)
-        ok = kernels.index_insert(self.keys, q, r, torch.tensor([q.numel()]), True)
-        self.used += ids.size
-        if not bool(ok.all()):  # a probe ran past MAX_PROBE (rare): a table twice as large, laid out anew
-            others, at = live()
-            self.keys = torch.full((2 * self.keys.numel(),), id_index.EMPTY, dtype=torch.int64)
-            self.limit = self.keys.numel() * 5 // 8
-            self.rebuild(np.concatenate([others, ids]), np.concatenate([at, rows]))
-
-    def delete(self, ids: np.ndarray) -> None:
-        q = torch.from_numpy(ids)
-        kernels.index_delete(self.keys, q, q.numel(), True)
-
-    def rebuild(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        # index_build places every id (a lookup walks a chain to its end); it returns which ids were live
-        id_index.index_build(self.keys, torch.from_numpy(ids), torch.from_numpy(rows))
-        self.used = ids.size
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.numel() * 8
 
 
 class HostRowCache:
