@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import host_rows
 from .gather import put_rows
 from .dispatch import backend_for, gpu_shapes, persistent_programs
 
@@ -38,6 +39,8 @@ def row_copy_mode() -> str:
 def row_copy_torch(src, src_idx, dst, dst_idx, n, accumulate: bool = False):
     """Reference: boolean selection then index_copy (syncs on the host; fine for a reference)."""
     src2, dst2 = _as_rows(src), _as_rows(dst)
+    if not accumulate and host_rows.copy_rows(src2, src_idx, dst2, dst_idx, n):
+        return
     s, d = _copy_pairs(src_idx, dst_idx, n, src2.shape[0], dst2.shape[0])
     _copy_rows(src2, s, dst2, d, accumulate)
 
@@ -232,6 +235,8 @@ def row_copy_many_torch(copies: list[RowCopy], n) -> None:
     selected = {}
     for c in copies:
         src2, dst2 = _as_rows(c.src), _as_rows(c.dst)
+        if host_rows.copy_rows(src2, c.src_idx, dst2, c.dst_idx, n):
+            continue
         key = (id(c.src_idx), id(c.dst_idx), src2.shape[0], dst2.shape[0])
         if key not in selected:
             selected[key] = _copy_pairs(c.src_idx, c.dst_idx, n, src2.shape[0], dst2.shape[0])

@@ -30,7 +30,7 @@ from cachedemb.cache.host_memory import host_empty, pinned_copy
 from cachedemb.kernels import PROTECTED, id_index
 from cachedemb.kernels.gather import take
 from cachedemb.cache.policy import Policy, SlotView, resolve, score_kernel
-from cachedemb.cache import device_place
+from cachedemb.cache import device_place, host_place
 from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.victim_pool import VictimPool
 
@@ -610,6 +610,9 @@ class EmbeddingCache:
         cap = uniq.numel()
         early = self._early_exit()
         id_slot = self._use_map()
+        c = host_place.native() if dev.type == "cpu" else None
+        if c is not None:
+            return self._place_native(c, uniq, n_uniq, policy, transfer, id_slot)
         live = torch.arange(cap, device=dev) < n_uniq
         slot = torch.where(live, take(id_slot, uniq.clamp(min=0)).to(torch.int64), -1)
         is_hit = live & (slot >= 0)
@@ -624,37 +627,16 @@ class EmbeddingCache:
         newly = is_hit & was.logical_not()
         n_free = (self.capacity - self._n_protected - newly.sum()).reshape(1)
         self.protected.index_fill_(0, hit_slots, True)
-
-        def protected(slots):
-            return self.protected[: self.capacity] if slots is None else take(self.protected, slots)
-
-        def unprotect_hits(score):
-            """A full ranking's scores with the hits' protection taken off again (what they score later)."""
-            at = hit_slots.clamp(max=self.capacity - 1)
-            own = policy(self._slot_view(at, was))
-            score.scatter_reduce_(0, at, torch.where(newly, own, torch.full_like(own, PROTECTED)), "amin")
-
         n_admit = torch.minimum(n_miss, n_free)
         miss_count = self._on_host(n_miss, cap)
-        self._reserve_spare(miss_count)  # the forward gathers the host-served rows (at most the misses) there
-        k = max(1, min(miss_count, self.capacity))
-        victims = None
-        if miss_count > 0:
-            ranked = self.victim_pool.rankings
-            rank_start = time.perf_counter()
-            victims = self.victim_pool.choose(policy, self._slot_view, unprotect_hits, protected, k,
-                                              n_admit, self._on_host(n_hit, cap), early, self._score_all)
-            if not early:
-                self.victim_pool.observe(n_miss)  # sizes the pool from misses that reached the host
-            k = victims.numel()
-            if self.victim_pool.rankings != ranked:
-                self.seconds["victim_rank"] += time.perf_counter() - rank_start
+        victims = self._choose_victims(policy, cap, early, n_hit, n_miss, n_admit, hit_slots, was, lambda: newly)
         self.protected.index_put_((hit_slots,), was)
 
         # Rank the misses; rank r < n_admit takes victim r, the rest are served from the host.
         rank = torch.cumsum(is_miss, 0) - 1
         overflow = kernels.host_loc(uniq)
         if victims is not None:
+            k = victims.numel()
             from_victim = take(victims, rank.clamp(min=0, max=k - 1))
             dest = torch.where(rank < n_admit, from_victim, overflow)
         else:
@@ -689,6 +671,63 @@ class EmbeddingCache:
             self._masked_put(self.slot_last_use, miss_dest, torch.full_like(miss_dest, self.batch_counter), n_miss)
             self.bump_stats(evictions=evicted, rows_out=written)
         return loc_u, live, n_hit, n_miss, move
+
+    def _place_native(self, c, uniq, n_uniq, policy: Policy, transfer: bool, id_slot):
+        """_place on the host-count path with its bookkeeping in C (cachedemb/cache/host_place.py): the same
+        victims, writes and results as the torch code above."""
+        n = int(n_uniq)
+        cap = uniq.numel()
+        found = host_place.find(c, uniq, n, id_slot, self.capacity, self.protected)
+        n_hit = torch.tensor([found.n_hit], dtype=torch.int64)
+        n_miss = torch.tensor([found.n_miss], dtype=torch.int64)
+        n_free = self.capacity - int(self._n_protected) - found.n_newly
+        admit = min(found.n_miss, n_free)
+        n_admit = torch.tensor([admit], dtype=torch.int64)
+
+        def newly():
+            return (found.hit_slots < self.capacity) & found.was.logical_not()
+
+        victims = self._choose_victims(policy, cap, True, n_hit, n_miss, n_admit, found.hit_slots, found.was, newly)
+        loc_u, old_ids, dirty_ids, miss_ids, miss_dest, evicted, written = host_place.commit(
+            c, found, self.protected, victims, admit, self.capacity, id_slot, self.slot_ids, self.dirty,
+            self.slot_last_use, self.batch_counter)
+        live = torch.arange(cap) < n
+        move = None
+        if victims is not None:
+            self.bump_stats(rows_in=n_admit, host_rows=n_miss - n_admit)
+            move = RowMove(victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest, n_miss)
+            if transfer:
+                self._move_rows(move)
+            self.bump_stats(evictions=torch.tensor([evicted]), rows_out=torch.tensor([written]))
+        return loc_u, live, n_hit, n_miss, move
+
+    def _choose_victims(self, policy: Policy, cap: int, early: bool, n_hit, n_miss, n_admit, hit_slots, was, newly):
+        """This batch's victims (None without misses), its hits protected in `self.protected` meanwhile;
+        `newly()` gives the hits whose protection is this batch's own ([cap] bool)."""
+
+        def protected(slots):
+            return self.protected[: self.capacity] if slots is None else take(self.protected, slots)
+
+        def unprotect_hits(score):
+            """A full ranking's scores with the hits' protection taken off again (what they score later)."""
+            at = hit_slots.clamp(max=self.capacity - 1)
+            own = policy(self._slot_view(at, was))
+            score.scatter_reduce_(0, at, torch.where(newly(), own, torch.full_like(own, PROTECTED)), "amin")
+
+        miss_count = self._on_host(n_miss, cap)
+        self._reserve_spare(miss_count)  # the forward gathers the host-served rows (at most the misses) there
+        if miss_count <= 0:
+            return None
+        k = max(1, min(miss_count, self.capacity))
+        ranked = self.victim_pool.rankings
+        rank_start = time.perf_counter()
+        victims = self.victim_pool.choose(policy, self._slot_view, unprotect_hits, protected, k,
+                                          n_admit, self._on_host(n_hit, cap), early, self._score_all)
+        if not early:
+            self.victim_pool.observe(n_miss)  # sizes the pool from misses that reached the host
+        if self.victim_pool.rankings != ranked:
+            self.seconds["victim_rank"] += time.perf_counter() - rank_start
+        return victims
 
     def _move_rows(self, move: RowMove, add: torch.Tensor | None = None) -> None:
         """Dirty victims (rows, state) and every victim's count to the host, then the missing rows in (their counts

@@ -1,0 +1,99 @@
+"""The CPU cache's placement bookkeeping in C (host_place.c): EmbeddingCache._place's torch ops, one pass per id.
+
+On the host-count path (CPU) `_place` classifies a batch's distinct ids, protects the hits, places the misses
+and updates the map and slot metadata in ~30 torch ops over the batch's ids (each a full pass, most a gather
+or scatter): ~6 ms a batch of 40k distinct ids on one core, ~20 ms a prefetch window of 120k, a fifth of a
+CPU training step. The two C loops do the same writes in the same order (masked scatters into the dump element
+included), so the state is the same bit for bit; the victim choice between them stays in torch (the policy is
+the user's). Used when a compiler is at hand (kernels/native.py) and `enabled`; the torch code of `_place` is
+the reference, and the tests run both.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from cachedemb.kernels.native import load_c
+
+_SOURCE = Path(__file__).with_name("host_place.c")
+enabled = True  # False: the torch code (tests switch it)
+_lib = None
+_tried = False
+_BUMP = getattr(torch.autograd.graph, "increment_version", None)
+
+_I64, _P = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {
+    "cemb_place_find": [_P, _I64, _I64, _P, _I64, _P, _P, _P, _P, _P],
+    "cemb_place_commit": [_P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64,
+                          _P, _P, _P, _P, _P, _P, _P],
+}
+
+
+def native():
+    """The C library, or None (disabled, or no compiler)."""
+    global _lib, _tried
+    if not enabled:
+        return None
+    if not _tried:
+        _tried = True
+        loaded = load_c(_SOURCE)
+        if loaded is not None:
+            for name, args in _SIGNATURES.items():
+                fn = getattr(loaded, name)
+                fn.argtypes, fn.restype = args, None
+        _lib = loaded
+    return _lib
+
+
+def _p(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+class Found:
+    """A batch's hits and misses (find), for the victim choice and the commit."""
+
+    def __init__(self, uniq, n_uniq: int, slot, hit_slots, was, n_hit: int, n_miss: int, n_newly: int):
+        self.uniq, self.n_uniq = uniq, n_uniq
+        self.slot, self.hit_slots, self.was = slot, hit_slots, was
+        self.n_hit, self.n_miss, self.n_newly = n_hit, n_miss, n_newly
+
+
+def find(c, uniq: torch.Tensor, n_uniq: int, id_slot: torch.Tensor, capacity: int,
+         protected: torch.Tensor) -> Found:
+    """Classify uniq[:n_uniq] through the map and protect the hits' slots (protected[capacity] is the dump)."""
+    uniq = uniq.contiguous()
+    cap = uniq.numel()
+    slot, hit_slots = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.int64)
+    was = torch.empty(cap, dtype=torch.bool)
+    counts = torch.zeros(3, dtype=torch.int64)
+    c.cemb_place_find(_p(uniq), cap, n_uniq, _p(id_slot), capacity, _p(protected), _p(slot), _p(hit_slots),
+                      _p(was), _p(counts))
+    n_hit, n_miss, n_newly = counts.tolist()
+    return Found(uniq, n_uniq, slot, hit_slots, was, n_hit, n_miss, n_newly)
+
+
+def commit(c, f: Found, protected, victims, n_admit: int, capacity: int, id_slot, slot_ids, dirty, last_use,
+           batch: int):
+    """Restore the protection, place the misses, update the map and slot metadata. Returns (loc_u, old_ids,
+    dirty_ids, miss_ids, miss_dest, evicted, written); the move tensors are None without victims."""
+    cap = f.uniq.numel()
+    k = 0 if victims is None else victims.numel()
+    victims = torch.empty(0, dtype=torch.int64) if victims is None else victims.to(torch.int64).contiguous()
+    loc_u, dest = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.int64)
+    old_ids, dirty_ids = torch.empty(k, dtype=torch.int64), torch.empty(k, dtype=torch.int64)
+    miss_ids = torch.empty(cap + 1 if k else 0, dtype=torch.int64)
+    miss_dest = torch.empty(cap + 1 if k else 0, dtype=torch.int64)
+    counts = torch.zeros(2, dtype=torch.int64)
+    c.cemb_place_commit(_p(f.uniq), cap, f.n_uniq, _p(f.slot), _p(f.hit_slots), _p(f.was), _p(protected),
+                        _p(victims), k, n_admit, f.n_miss, capacity, _p(id_slot), _p(slot_ids), _p(dirty),
+                        _p(last_use), batch, _p(loc_u), _p(dest), _p(old_ids), _p(dirty_ids), _p(miss_ids),
+                        _p(miss_dest), _p(counts))
+    if _BUMP is not None:  # as the torch code's in-place ops do
+        for t in (protected, id_slot, slot_ids, dirty, last_use):
+            _BUMP(t)
+    evicted, written = counts.tolist()
+    if not k:
+        return loc_u, None, None, None, None, 0, 0
+    return loc_u, old_ids, dirty_ids, miss_ids, miss_dest, evicted, written

@@ -1,0 +1,76 @@
+"""The CPU cache's placement bookkeeping in C (cachedemb/cache/host_place.c) against the torch code of
+EmbeddingCache._place: the same results and the same cache state after every step (slots, map, metadata,
+protection, counters, row moves), per batch and through prefetch windows, at caches from far smaller than a
+batch to larger than the table, with padding ids and both victim policies."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import cachedemb
+from cachedemb import optim
+from cachedemb.cache import host_place
+
+pytestmark = pytest.mark.skipif(host_place.native() is None, reason="no C compiler: the torch code runs")
+
+
+def batches(num, steps, bags=16, bag_len=6, seed=0, alpha=1.1):
+    rng = np.random.default_rng(seed)
+    p = np.arange(1, num + 1, dtype=np.float64) ** -alpha
+    p /= p.sum()
+    perm = rng.permutation(num)
+    return [torch.from_numpy(perm[rng.choice(num, size=bags * bag_len, p=p)]) for _ in range(steps)]
+
+
+def state(emb):
+    c = emb.cache
+    c.settle()  # a window's rows may still be moving on the copier thread
+    cap = c.capacity
+    return {"rows": c.rows[:cap], "slot_ids": c.slot_ids[:cap], "dirty": c.dirty[:cap],
+            "last_use": c.slot_last_use[:cap], "freq": c.slot_freq[:cap], "protected": c.protected[:cap],
+            "id_slot": c.id_slot, "stats": c.stats, "host": c.host_weight, "host_freq": c.host_freq,
+            **{f"state_{k}": v[:cap] for k, v in c.states.items()}}
+
+
+def run(native: bool, cache_rows, spec, padding_idx, prefetch, monkeypatch, steps=30):
+    monkeypatch.setattr(host_place, "enabled", native)
+    torch.manual_seed(0)
+    emb = cachedemb.CachedEmbeddingBag(300, 4, mode="sum", cache_rows=cache_rows, device="cpu", optimizer=spec,
+                                       padding_idx=padding_idx)
+    data = batches(300, steps)
+    offsets = torch.arange(16) * 6
+    source = cachedemb.prefetch(data, [emb], **prefetch) if prefetch else data
+    outs, states = [], []
+    for ids in source:
+        out = emb(ids, offsets)
+        out.tanh().sum().backward()
+        outs.append(out.detach().clone())
+        states.append({k: v.clone() for k, v in state(emb).items()})
+    return outs, states
+
+
+@pytest.mark.parametrize("cache_rows", [8, 40, 120, 400])
+@pytest.mark.parametrize("prefetch", [None, dict(depth=2, horizon=8), dict(depth=4, horizon=16)],
+                         ids=["per-batch", "depth2", "depth4"])
+def test_native_placement_equals_the_torch_code(cache_rows, prefetch, monkeypatch):
+    if prefetch and cache_rows < 40:
+        prefetch = dict(prefetch, depth=1, horizon=4)
+    spec, padding_idx = (optim.Adam(lr=0.01), 7) if cache_rows % 3 else (optim.SGD(lr=0.1), None)
+    torch_outs, torch_states = run(False, cache_rows, spec, padding_idx, prefetch, monkeypatch)
+    c_outs, c_states = run(True, cache_rows, spec, padding_idx, prefetch, monkeypatch)
+    for step, (a, b, sa, sb) in enumerate(zip(torch_outs, c_outs, torch_states, c_states)):
+        assert torch.equal(a, b), f"outputs differ at step {step}"
+        for key in sa:
+            assert torch.equal(sa[key], sb[key]), f"{key} differs at step {step}"
+
+
+def test_native_placement_is_used_on_the_cpu_path(monkeypatch):
+    """The fast path runs (not silently the torch code): its find is called once per batch with misses or hits."""
+    calls = []
+    real = host_place.find
+    monkeypatch.setattr(host_place, "find", lambda *a, **k: calls.append(1) or real(*a, **k))
+    emb = cachedemb.CachedEmbeddingBag(100, 4, mode="sum", cache_rows=10, device="cpu", optimizer=optim.SGD(lr=0.1))
+    for ids in batches(100, 3):
+        emb(ids, torch.arange(16) * 6).sum().backward()
+    assert len(calls) == 3
