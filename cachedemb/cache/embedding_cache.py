@@ -30,7 +30,7 @@ from cachedemb.cache.host_memory import host_empty, pinned_copy
 from cachedemb.kernels import PROTECTED, id_index
 from cachedemb.kernels.gather import take
 from cachedemb.cache.policy import Policy, SlotView, resolve, score_kernel
-from cachedemb.cache import device_place, host_place
+from cachedemb.cache import device_place, place_native, score_native
 from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.victim_pool import VictimPool
 
@@ -586,11 +586,21 @@ class EmbeddingCache:
         (no work while `gate` reads 0), else the policy over the full view."""
         kind = score_kernel(policy)
         if kind is None or kernels.backend_for(self.device) != "triton":
-            return policy(self._slot_view(None, protected))
+            return self._score_slots(policy, None, protected)
         c = self.capacity
         tables = None if self.table_starts is None else (self.table_starts, self.table_ranks)
         return kernels.slot_score_triton(kind, self.slot_ids[:c], self.slot_freq[:c], self.slot_last_use[:c],
                                          self.next_use, protected, tables, gate)
+
+    def _score_slots(self, policy: Policy, slots: torch.Tensor | None, protected: torch.Tensor) -> torch.Tensor:
+        """`policy`'s scores of `slots` (None: all C) under `protected` (one per entry): for a built-in policy of
+        a one-table CPU cache in one C pass (cachedemb/cache/score_native.py), else the policy over the view."""
+        if self.device.type == "cpu" and getattr(self, "table_starts", None) is None:
+            score = score_native.score(policy, slots, protected, self.capacity, self.slot_ids, self.slot_freq,
+                                     self.slot_last_use, self.next_use)
+            if score is not None:
+                return score
+        return policy(self._slot_view(slots, protected))
 
     def _place(self, uniq, n_uniq, policy: Policy, transfer: bool = True):
         """Find or admit each of the first n_uniq ids of `uniq`; returns (loc_u, live, n_hit, n_miss, move).
@@ -610,7 +620,7 @@ class EmbeddingCache:
         cap = uniq.numel()
         early = self._early_exit()
         id_slot = self._use_map()
-        c = host_place.native() if dev.type == "cpu" else None
+        c = place_native.native() if dev.type == "cpu" else None
         if c is not None:
             return self._place_native(c, uniq, n_uniq, policy, transfer, id_slot)
         live = torch.arange(cap, device=dev) < n_uniq
@@ -673,11 +683,11 @@ class EmbeddingCache:
         return loc_u, live, n_hit, n_miss, move
 
     def _place_native(self, c, uniq, n_uniq, policy: Policy, transfer: bool, id_slot):
-        """_place on the host-count path with its bookkeeping in C (cachedemb/cache/host_place.py): the same
+        """_place on the host-count path with its bookkeeping in C (cachedemb/cache/place_native.py): the same
         victims, writes and results as the torch code above."""
         n = int(n_uniq)
         cap = uniq.numel()
-        found = host_place.find(c, uniq, n, id_slot, self.capacity, self.protected)
+        found = place_native.find(c, uniq, n, id_slot, self.capacity, self.protected)
         n_hit = torch.tensor([found.n_hit], dtype=torch.int64)
         n_miss = torch.tensor([found.n_miss], dtype=torch.int64)
         n_free = self.capacity - int(self._n_protected) - found.n_newly
@@ -688,7 +698,7 @@ class EmbeddingCache:
             return (found.hit_slots < self.capacity) & found.was.logical_not()
 
         victims = self._choose_victims(policy, cap, True, n_hit, n_miss, n_admit, found.hit_slots, found.was, newly)
-        loc_u, old_ids, dirty_ids, miss_ids, miss_dest, evicted, written = host_place.commit(
+        loc_u, old_ids, dirty_ids, miss_ids, miss_dest, evicted, written = place_native.commit(
             c, found, self.protected, victims, admit, self.capacity, id_slot, self.slot_ids, self.dirty,
             self.slot_last_use, self.batch_counter)
         live = torch.arange(cap) < n
@@ -711,7 +721,7 @@ class EmbeddingCache:
         def unprotect_hits(score):
             """A full ranking's scores with the hits' protection taken off again (what they score later)."""
             at = hit_slots.clamp(max=self.capacity - 1)
-            own = policy(self._slot_view(at, was))
+            own = self._score_slots(policy, at, was)
             score.scatter_reduce_(0, at, torch.where(newly(), own, torch.full_like(own, PROTECTED)), "amin")
 
         miss_count = self._on_host(n_miss, cap)
@@ -722,7 +732,8 @@ class EmbeddingCache:
         ranked = self.victim_pool.rankings
         rank_start = time.perf_counter()
         victims = self.victim_pool.choose(policy, self._slot_view, unprotect_hits, protected, k,
-                                          n_admit, self._on_host(n_hit, cap), early, self._score_all)
+                                          n_admit, self._on_host(n_hit, cap), early, self._score_all,
+                                          score_of=self._score_slots)
         if not early:
             self.victim_pool.observe(n_miss)  # sizes the pool from misses that reached the host
         if self.victim_pool.rankings != ranked:

@@ -1,7 +1,8 @@
-"""The CPU cache's placement bookkeeping in C (cachedemb/cache/host_place.c) against the torch code of
-EmbeddingCache._place: the same results and the same cache state after every step (slots, map, metadata,
-protection, counters, row moves), per batch and through prefetch windows, at caches from far smaller than a
-batch to larger than the table, with padding ids and both victim policies."""
+"""The CPU cache's placement bookkeeping and victim scores in C (cachedemb/cache/place_native.c, score_native.c)
+against the torch code of EmbeddingCache._place and the policies: the same results and the same cache state
+after every step (slots, map, metadata, protection, counters, row moves), per batch and through prefetch
+windows, at caches from far smaller than a batch to larger than the table, with padding ids and both victim
+policies."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,9 +11,9 @@ import torch
 
 import cachedemb
 from cachedemb import optim
-from cachedemb.cache import host_place
+from cachedemb.cache import place_native, score_native
 
-pytestmark = pytest.mark.skipif(host_place.native() is None, reason="no C compiler: the torch code runs")
+pytestmark = pytest.mark.skipif(place_native.native() is None, reason="no C compiler: the torch code runs")
 
 
 def batches(num, steps, bags=16, bag_len=6, seed=0, alpha=1.1):
@@ -34,7 +35,8 @@ def state(emb):
 
 
 def run(native: bool, cache_rows, spec, padding_idx, prefetch, monkeypatch, steps=30):
-    monkeypatch.setattr(host_place, "enabled", native)
+    monkeypatch.setattr(place_native, "enabled", native)
+    monkeypatch.setattr(score_native, "enabled", native)  # the victims' scores too: the reference is all torch
     torch.manual_seed(0)
     emb = cachedemb.CachedEmbeddingBag(300, 4, mode="sum", cache_rows=cache_rows, device="cpu", optimizer=spec,
                                        padding_idx=padding_idx)
@@ -68,8 +70,8 @@ def test_native_placement_equals_the_torch_code(cache_rows, prefetch, monkeypatc
 def test_native_placement_is_used_on_the_cpu_path(monkeypatch):
     """The fast path runs (not silently the torch code): its find is called once per batch with misses or hits."""
     calls = []
-    real = host_place.find
-    monkeypatch.setattr(host_place, "find", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = place_native.find
+    monkeypatch.setattr(place_native, "find", lambda *a, **k: calls.append(1) or real(*a, **k))
     emb = cachedemb.CachedEmbeddingBag(100, 4, mode="sum", cache_rows=10, device="cpu", optimizer=optim.SGD(lr=0.1))
     for ids in batches(100, 3):
         emb(ids, torch.arange(16) * 6).sum().backward()

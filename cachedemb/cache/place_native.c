@@ -1,5 +1,5 @@
 /* The CPU cache's placement bookkeeping (EmbeddingCache._place on the host-count path), one pass per id in C:
- * cachedemb/cache/host_place.py. Each loop does what the torch code of _place does, in the same order, masked
+ * cachedemb/cache/place_native.py. Each loop does what the torch code of _place does, in the same order, masked
  * scatters into the trailing "dump" element included, so the cache's state is the same bit for bit.
  */
 #include <stdint.h>

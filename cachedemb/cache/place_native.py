@@ -1,4 +1,4 @@
-"""The CPU cache's placement bookkeeping in C (host_place.c): EmbeddingCache._place's torch ops, one pass per id.
+"""The CPU cache's placement bookkeeping in C (place_native.c): the torch ops of EmbeddingCache._place, per id.
 
 On the host-count path (CPU) `_place` classifies a batch's distinct ids, protects the hits, places the misses
 and updates the map and slot metadata in ~30 torch ops over the batch's ids (each a full pass, most a gather
@@ -17,7 +17,7 @@ import torch
 
 from cachedemb.kernels.native import load_c
 
-_SOURCE = Path(__file__).with_name("host_place.c")
+_SOURCE = Path(__file__).with_name("place_native.c")
 enabled = True  # False: the torch code (tests switch it)
 _lib = None
 _tried = False

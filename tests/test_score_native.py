@@ -1,0 +1,50 @@
+"""The built-in policies' slot scores in C (cachedemb/cache/score_native.c) equal the policies' torch code bit for
+bit: every slot or a subset, empty and protected slots, counts and uses past the caps, no next use and next uses
+past the horizon tier; a user's policy and a multi-table cache are left to the policy."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachedemb.cache import score_native
+from cachedemb.cache.policy import SlotView, lfu, lookahead, lru
+
+pytestmark = pytest.mark.skipif(score_native._native() is None, reason="no C compiler: the policies' torch code runs")
+
+
+def metadata(c, seed):
+    g = torch.Generator().manual_seed(seed)
+    slot_ids = torch.randint(-1, 50, (c + 1,), generator=g)
+    freq = torch.randint(0, 100, (c + 1,), generator=g)
+    freq[:3] = torch.tensor([(1 << 24) + 5, (1 << 33) + 1, 1 << 62])  # past the lookahead's and the tier's caps
+    last_use = torch.randint(0, 1000, (c + 1,), generator=g)
+    last_use[3] = (1 << 34)
+    next_use = torch.randint(-1, 20, (c,), generator=g)
+    next_use[4] = (1 << 33)  # past the tier
+    protected = torch.rand(c, generator=g) < 0.2
+    return slot_ids, freq, last_use, next_use, protected
+
+
+@pytest.mark.parametrize("policy", [lfu, lru, lookahead])
+@pytest.mark.parametrize("subset", [False, True])
+def test_c_scores_equal_the_policy(policy, subset):
+    c = 97
+    slot_ids, freq, last_use, next_use, protected = metadata(c, 1)
+    if subset:
+        slots = torch.randperm(c)[:40]
+        view = SlotView(slot_ids[slots], freq[slots], last_use[slots], next_use[slots], protected[slots], None,
+                        slots, c)
+        got = score_native.score(policy, slots, protected[slots], c, slot_ids, freq, last_use, next_use)
+    else:
+        view = SlotView(slot_ids[:c], freq[:c], last_use[:c], next_use, protected)
+        got = score_native.score(policy, None, protected, c, slot_ids, freq, last_use, next_use)
+    assert got is not None
+    assert torch.equal(got, policy(view))
+
+
+def test_a_user_policy_is_left_to_its_own_code():
+    def mine(view):
+        return lfu(view)
+
+    slot_ids, freq, last_use, next_use, protected = metadata(10, 2)
+    assert score_native.score(mine, None, protected, 10, slot_ids, freq, last_use, next_use) is None
