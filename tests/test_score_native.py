@@ -48,3 +48,15 @@ def test_a_user_policy_is_left_to_its_own_code():
 
     slot_ids, freq, last_use, next_use, protected = metadata(10, 2)
     assert score_native.score(mine, None, protected, 10, slot_ids, freq, last_use, next_use) is None
+
+
+def test_c_next_uses_equal_the_torch_code():
+    g = torch.Generator().manual_seed(5)
+    c = 200
+    slot_ids = torch.randint(-1, 30, (c + 1,), generator=g)
+    ids = torch.where(torch.rand(c, generator=g) < 0.8, slot_ids[:c], torch.randint(-1, 30, (c,), generator=g))
+    uses = torch.randint(0, 50, (c,), generator=g)
+    now = 17
+    known = (slot_ids[:c] == ids) & (uses >= now)
+    assert torch.equal(score_native.next_use(slot_ids, ids, uses, now),
+                       torch.where(known, uses - now, torch.full_like(uses, -1)))

@@ -448,8 +448,12 @@ class EmbeddingCache:
         c = self.capacity
         ids = next_use.ids.to(self.device, non_blocking=True)
         uses = next_use.uses.to(self.device, non_blocking=True)
-        known = (self.slot_ids[:c] == ids) & (uses >= now)
-        self.next_use = torch.where(known, uses - now, torch.full_like(uses, -1))
+        fast = score_native.next_use(self.slot_ids, ids, uses, now) if self.device.type == "cpu" else None
+        if fast is not None:
+            self.next_use = fast
+        else:
+            known = (self.slot_ids[:c] == ids) & (uses >= now)
+            self.next_use = torch.where(known, uses - now, torch.full_like(uses, -1))
         # Only rows used since the last refresh have a later next use now (a lower score): the last windows'
         # rows, which joined the pool when their protection came off. Every other score stays or rises.
         if not counts_on_host(self.device):

@@ -1,4 +1,4 @@
-"""The built-in policies' slot scores on CPU in one C pass (score_native.c).
+"""The built-in policies' slot scores on CPU in one C pass (score_native.c), and the look-ahead's next uses.
 
 Choosing victims re-scores the candidate pool every batch with misses (tens of thousands of slots, the whole
 cache at a small one): the view's four gathers and the policy's ~10 elementwise ops are ~3-4 ms a batch on one
@@ -35,6 +35,8 @@ def _native():
             loaded.cemb_slot_score.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + \
                 [ctypes.c_void_p] * 6
             loaded.cemb_slot_score.restype = None
+            loaded.cemb_next_use.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
+            loaded.cemb_next_use.restype = None
         _lib = loaded
     return _lib
 
@@ -64,4 +66,19 @@ def score(policy, slots: torch.Tensor | None, protected: torch.Tensor, capacity:
     out = torch.empty(n, dtype=torch.int64)
     c.cemb_slot_score(kind, None if slots is None else slots.data_ptr(), n, capacity, slot_ids.data_ptr(),
                       freq.data_ptr(), last_use.data_ptr(), next_use.data_ptr(), protected.data_ptr(), out.data_ptr())
+    return out
+
+
+def next_use(slot_ids: torch.Tensor, ids: torch.Tensor, uses: torch.Tensor, now: int) -> torch.Tensor | None:
+    """Batches from `now` to each slot's next use (-1: none known, or the slot's id changed since the snapshot
+    `ids`), or None where the C loop does not apply."""
+    c = _native()
+    n = uses.numel()
+    if c is None or any(t.device.type != "cpu" or t.dtype != torch.int64 for t in (slot_ids, ids, uses)):
+        return None
+    slot_ids, ids, uses = slot_ids[:n].contiguous(), ids.contiguous(), uses.contiguous()
+    if ids.numel() != n or slot_ids.numel() != n:
+        return None
+    out = torch.empty(n, dtype=torch.int64)
+    c.cemb_next_use(slot_ids.data_ptr(), ids.data_ptr(), uses.data_ptr(), n, now, out.data_ptr())
     return out
