@@ -15,29 +15,17 @@ from pathlib import Path
 
 import torch
 
-from .native import load_c
+from .native import CFunctions
 
-_SOURCE = Path(__file__).with_name("host_rows.c")
 enabled = True  # False: the torch code (tests switch it)
-_lib = None
-_tried = False
 _BUMP = getattr(torch.autograd.graph, "increment_version", None)
+_I64, _P = ctypes.c_int64, ctypes.c_void_p
+_C = CFunctions(Path(__file__).with_name("host_rows.c"),
+                {"cemb_copy_rows": ([_P, _I64, _P, _P, _I64, _P, _I64, _I64], None)})
 
 
 def _native():
-    global _lib, _tried
-    if not enabled:
-        return None
-    if not _tried:
-        _tried = True
-        loaded = load_c(_SOURCE)
-        if loaded is not None:
-            fn = loaded.cemb_copy_rows
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-            fn.restype = None
-        _lib = loaded
-    return _lib
+    return _C.get() if enabled else None
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

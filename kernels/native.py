@@ -48,3 +48,23 @@ def load_c(source: Path) -> ctypes.CDLL | None:
                 lib = None
     _LOADED[source] = lib
     return lib
+
+
+class CFunctions:
+    """A C file's functions with their ctypes signatures ({name: (argtypes, restype)}), built and typed on first
+    use; `get()` is None where the file cannot be built (each caller keeps its own switch for the tests)."""
+
+    def __init__(self, source: Path, signatures: dict):
+        self.source, self.signatures = Path(source), signatures
+        self._lib, self._tried = None, False
+
+    def get(self) -> ctypes.CDLL | None:
+        if not self._tried:
+            self._tried = True
+            lib = load_c(self.source)
+            if lib is not None:
+                for name, (args, result) in self.signatures.items():
+                    fn = getattr(lib, name)
+                    fn.argtypes, fn.restype = args, result
+            self._lib = lib
+        return self._lib

@@ -15,36 +15,21 @@ from pathlib import Path
 
 import torch
 
-from cachedemb.kernels.native import load_c
+from cachedemb.kernels.native import CFunctions
 
-_SOURCE = Path(__file__).with_name("place_native.c")
 enabled = True  # False: the torch code (tests switch it)
-_lib = None
-_tried = False
 _BUMP = getattr(torch.autograd.graph, "increment_version", None)
-
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
-_SIGNATURES = {
-    "cemb_place_find": [_P, _I64, _I64, _P, _I64, _P, _P, _P, _P, _P],
-    "cemb_place_commit": [_P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64,
-                          _P, _P, _P, _P, _P, _P, _P],
-}
+_C = CFunctions(Path(__file__).with_name("place_native.c"), {
+    "cemb_place_find": ([_P, _I64, _I64, _P, _I64, _P, _P, _P, _P, _P], None),
+    "cemb_place_commit": ([_P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64,
+                           _P, _P, _P, _P, _P, _P, _P], None),
+})
 
 
 def native():
     """The C library, or None (disabled, or no compiler)."""
-    global _lib, _tried
-    if not enabled:
-        return None
-    if not _tried:
-        _tried = True
-        loaded = load_c(_SOURCE)
-        if loaded is not None:
-            for name, args in _SIGNATURES.items():
-                fn = getattr(loaded, name)
-                fn.argtypes, fn.restype = args, None
-        _lib = loaded
-    return _lib
+    return _C.get() if enabled else None
 
 
 def _p(t: torch.Tensor) -> int:

@@ -15,30 +15,19 @@ from pathlib import Path
 import torch
 
 from cachedemb.cache.policy import lfu, lookahead, lru
-from cachedemb.kernels.native import load_c
+from cachedemb.kernels.native import CFunctions
 
-_SOURCE = Path(__file__).with_name("score_native.c")
 _KIND = {lfu: 0, lru: 1, lookahead: 2}
 enabled = True  # False: the policy's torch code (tests switch it)
-_lib = None
-_tried = False
+_I64, _P = ctypes.c_int64, ctypes.c_void_p
+_C = CFunctions(Path(__file__).with_name("score_native.c"), {
+    "cemb_slot_score": ([_I64, _P, _I64, _I64] + [_P] * 6, None),
+    "cemb_next_use": ([_P] * 3 + [_I64] * 2 + [_P], None),
+})
 
 
 def _native():
-    global _lib, _tried
-    if not enabled:
-        return None
-    if not _tried:
-        _tried = True
-        loaded = load_c(_SOURCE)
-        if loaded is not None:
-            loaded.cemb_slot_score.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + \
-                [ctypes.c_void_p] * 6
-            loaded.cemb_slot_score.restype = None
-            loaded.cemb_next_use.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
-            loaded.cemb_next_use.restype = None
-        _lib = loaded
-    return _lib
+    return _C.get() if enabled else None
 
 
 def kind_of(policy) -> int | None:

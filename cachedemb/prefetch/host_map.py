@@ -13,43 +13,27 @@ from pathlib import Path
 
 import torch
 
-from cachedemb.kernels.native import load_c
+from cachedemb.kernels.native import CFunctions
 
-_SOURCE = Path(__file__).with_name("host_map.c")
 enabled = True  # False: the torch code (tests switch it)
-_lib = None
-_tried = False
-
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
-_SIGNATURES = {
-    "cemb_map_find": [_P, _I64, _P, _I64, _P],
-    "cemb_map_insert": [_P, _I64, _I64, _P, _I64, _P, _P],
-    "cemb_map_drop_empty": [_P, _P, _P, _I64, _P, _I64],
-    "cemb_bits_set": [_P, _I64, _I64, _I64, _P, _I64],
-    "cemb_bits_clear_drop": [_P, _P, _P, _I64, _I64, _I64, _P, _I64],
-    "cemb_first_in": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P],
-    "cemb_fill_u8": [_P, _P, _I64, _I64],
-    "cemb_fill_i64": [_P, _P, _I64, _I64],
-    "cemb_track_slots": [_P, _P, _P, _I64, _I64],
-}
+_C = CFunctions(Path(__file__).with_name("host_map.c"), {
+    "cemb_map_find": ([_P, _I64, _P, _I64, _P], None),
+    "cemb_map_insert": ([_P, _I64, _I64, _P, _I64, _P, _P], _I64),
+    "cemb_map_drop_empty": ([_P, _P, _P, _I64, _P, _I64], None),
+    "cemb_bits_set": ([_P, _I64, _I64, _I64, _P, _I64], None),
+    "cemb_bits_clear_drop": ([_P, _P, _P, _I64, _I64, _I64, _P, _I64], None),
+    "cemb_first_in": ([_P, _I64, _P, _I64, _P, _P, _P, _I64, _P], None),
+    "cemb_fill_u8": ([_P, _P, _I64, _I64], None),
+    "cemb_fill_i64": ([_P, _P, _I64, _I64], None),
+    "cemb_track_slots": ([_P, _P, _P, _I64, _I64], _I64),
+})
 
 
 def lib():
     """The C library, or None (disabled, or no compiler)."""
-    global _lib, _tried
-    if not enabled:
-        return None
-    if not _tried:
-        _tried = True
-        loaded = load_c(_SOURCE)
-        if loaded is not None:
-            for name, args in _SIGNATURES.items():
-                fn = getattr(loaded, name)
-                fn.argtypes = args
-                fn.restype = _I64 if name in ("cemb_map_insert", "cemb_track_slots") else None
-        _lib = loaded
-    return _lib
+    return _C.get() if enabled else None
 
 
 def _ptr(t: torch.Tensor) -> int:

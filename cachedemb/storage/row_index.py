@@ -17,36 +17,21 @@ import torch
 
 from cachedemb import kernels
 from cachedemb.kernels import id_index
-from cachedemb.kernels.native import load_c
+from cachedemb.kernels.native import CFunctions
 
-_SOURCE = Path(__file__).with_name("row_index.c")
 enabled = True  # False: the torch reference (tests switch it)
-_lib = None
-_tried = False
-
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
-_SIGNATURES = {
+_C = CFunctions(Path(__file__).with_name("row_index.c"), {
     "cemb_ri_lookup": ([_P, _I64, _P, _I64, _P], None),
     "cemb_ri_insert": ([_P, _I64, _P, _P, _I64, _I64, _P], _I64),
     "cemb_ri_delete": ([_P, _I64, _P, _I64], None),
     "cemb_ri_build": ([_P, _I64, _P, _P, _I64], None),
-}
+})
 
 
 def _native():
     """The C library, or None (disabled, or no compiler)."""
-    global _lib, _tried
-    if not enabled:
-        return None
-    if not _tried:
-        _tried = True
-        loaded = load_c(_SOURCE)
-        if loaded is not None:
-            for name, (args, result) in _SIGNATURES.items():
-                fn = getattr(loaded, name)
-                fn.argtypes, fn.restype = args, result
-        _lib = loaded
-    return _lib
+    return _C.get() if enabled else None
 
 
 def _i64(a: np.ndarray) -> np.ndarray:
