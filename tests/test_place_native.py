@@ -76,3 +76,19 @@ def test_native_placement_is_used_on_the_cpu_path(monkeypatch):
     for ids in batches(100, 3):
         emb(ids, torch.arange(16) * 6).sum().backward()
     assert len(calls) == 3
+
+
+def test_an_id_outside_the_map_leaves_the_c_loops_and_raises_as_the_torch_code_does():
+    emb = cachedemb.CachedEmbeddingBag(50, 4, mode="sum", cache_rows=10, device="cpu", optimizer=optim.SGD(lr=0.1))
+    emb(torch.arange(8), torch.tensor([0, 4])).sum().backward()
+    cache = emb.cache
+    before = cache.protected.clone()
+    with pytest.raises(IndexError):
+        cache._place(torch.tensor([3, 60]), torch.tensor([2]), cache.policy)
+    assert torch.equal(cache.protected, before)  # nothing half-applied by the C loop
+    with pytest.raises(IndexError, match="victim slots"):
+        found = place_native.find(place_native.native(), torch.tensor([1]), 1, cache.id_slot, cache.capacity,
+                                  cache.protected.clone())
+        place_native.commit(place_native.native(), found, cache.protected.clone(), torch.tensor([cache.capacity]), 1,
+                            cache.capacity, cache.id_slot.clone(), cache.slot_ids.clone(), cache.dirty.clone(),
+                            cache.slot_last_use.clone(), 1)

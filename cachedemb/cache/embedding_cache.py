@@ -625,8 +625,10 @@ class EmbeddingCache:
         early = self._early_exit()
         id_slot = self._use_map()
         c = place_native.native() if dev.type == "cpu" else None
-        if c is not None:
-            return self._place_native(c, uniq, n_uniq, policy, transfer, id_slot)
+        if c is not None and place_native.fits(id_slot, self.protected, self.slot_ids, self.dirty, self.slot_last_use):
+            placed = self._place_native(c, uniq, n_uniq, policy, transfer, id_slot)
+            if placed is not None:
+                return placed
         live = torch.arange(cap, device=dev) < n_uniq
         slot = torch.where(live, take(id_slot, uniq.clamp(min=0)).to(torch.int64), -1)
         is_hit = live & (slot >= 0)
@@ -688,10 +690,13 @@ class EmbeddingCache:
 
     def _place_native(self, c, uniq, n_uniq, policy: Policy, transfer: bool, id_slot):
         """_place on the host-count path with its bookkeeping in C (cachedemb/cache/place_native.py): the same
-        victims, writes and results as the torch code above."""
+        victims, writes and results as the torch code above; None (nothing changed) where an id lies outside the
+        map, for the torch code to refuse."""
         n = int(n_uniq)
         cap = uniq.numel()
         found = place_native.find(c, uniq, n, id_slot, self.capacity, self.protected)
+        if found is None:  # an id outside the map: the torch code raises as it always did
+            return None
         n_hit = torch.tensor([found.n_hit], dtype=torch.int64)
         n_miss = torch.tensor([found.n_miss], dtype=torch.int64)
         n_free = self.capacity - int(self._n_protected) - found.n_newly

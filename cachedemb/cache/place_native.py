@@ -36,6 +36,15 @@ def _p(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+_LAYOUT = (torch.int32, torch.bool, torch.int64, torch.bool, torch.int64)
+
+
+def fits(id_slot, protected, slot_ids, dirty, last_use) -> bool:
+    """Whether the cache's tensors are what the C loops read and write (CPU, these dtypes, contiguous)."""
+    return all(t is not None and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+               for t, dtype in zip((id_slot, protected, slot_ids, dirty, last_use), _LAYOUT))
+
+
 class Found:
     """A batch's hits and misses (find), for the victim choice and the commit."""
 
@@ -46,10 +55,14 @@ class Found:
 
 
 def find(c, uniq: torch.Tensor, n_uniq: int, id_slot: torch.Tensor, capacity: int,
-         protected: torch.Tensor) -> Found:
-    """Classify uniq[:n_uniq] through the map and protect the hits' slots (protected[capacity] is the dump)."""
-    uniq = uniq.contiguous()
+         protected: torch.Tensor) -> Found | None:
+    """Classify uniq[:n_uniq] through the map and protect the hits' slots (protected[capacity] is the dump).
+    None, with nothing changed, where an id is outside the map (the torch code then raises as it does)."""
+    uniq = uniq.to(torch.int64).contiguous()
     cap = uniq.numel()
+    n_uniq = max(0, min(n_uniq, cap))
+    if n_uniq and int(uniq[:n_uniq].max()) >= id_slot.numel():
+        return None
     slot, hit_slots = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.int64)
     was = torch.empty(cap, dtype=torch.bool)
     counts = torch.zeros(3, dtype=torch.int64)
@@ -66,6 +79,9 @@ def commit(c, f: Found, protected, victims, n_admit: int, capacity: int, id_slot
     cap = f.uniq.numel()
     k = 0 if victims is None else victims.numel()
     victims = torch.empty(0, dtype=torch.int64) if victims is None else victims.to(torch.int64).contiguous()
+    if k and not (0 <= int(victims.min()) and int(victims.max()) < capacity):
+        raise IndexError(f"victim slots must lie in [0, {capacity}), got [{int(victims.min())}, "
+                         f"{int(victims.max())}]")
     loc_u, dest = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.int64)
     old_ids, dirty_ids = torch.empty(k, dtype=torch.int64), torch.empty(k, dtype=torch.int64)
     miss_ids = torch.empty(cap + 1 if k else 0, dtype=torch.int64)

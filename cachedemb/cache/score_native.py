@@ -48,10 +48,14 @@ def score(policy, slots: torch.Tensor | None, protected: torch.Tensor, capacity:
     n = capacity if slots is None else slots.numel()
     if slots is not None:
         slots = slots.to(torch.int64).contiguous()
+        if n and not (0 <= int(slots.min()) and int(slots.max()) < capacity):
+            return None  # the policy's view raises (or scores) as it does
     protected = protected.contiguous()
     for t in (slot_ids, freq, last_use, next_use):
-        if t.device.type != "cpu" or t.dtype != torch.int64 or not t.is_contiguous():
+        if t.device.type != "cpu" or t.dtype != torch.int64 or not t.is_contiguous() or t.numel() < capacity:
             return None
+    if protected.numel() != n:
+        return None
     out = torch.empty(n, dtype=torch.int64)
     c.cemb_slot_score(kind, None if slots is None else slots.data_ptr(), n, capacity, slot_ids.data_ptr(),
                       freq.data_ptr(), last_use.data_ptr(), next_use.data_ptr(), protected.data_ptr(), out.data_ptr())
