@@ -92,3 +92,20 @@ def test_an_id_outside_the_map_leaves_the_c_loops_and_raises_as_the_torch_code_d
         place_native.commit(place_native.native(), found, cache.protected.clone(), torch.tensor([cache.capacity]), 1,
                             cache.capacity, cache.id_slot.clone(), cache.slot_ids.clone(), cache.dirty.clone(),
                             cache.slot_last_use.clone(), 1)
+
+
+def test_under_the_cuda_rules_no_c_loop_runs(monkeypatch):
+    """A CPU run under CACHEDEMB_SYNC_FREE=1 stands for the device's op sequence (launch counts, host-read
+    counts): placement, scores and next uses stay torch ops there, the C loops are for the host-count path."""
+    monkeypatch.setenv("CACHEDEMB_SYNC_FREE", "1")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a C loop ran under the CUDA rules")
+
+    monkeypatch.setattr(place_native, "find", refuse)
+    monkeypatch.setattr(score_native, "score", refuse)
+    monkeypatch.setattr(score_native, "next_use", refuse)
+    torch.manual_seed(0)
+    emb = cachedemb.CachedEmbeddingBag(300, 4, mode="sum", cache_rows=40, device="cpu", optimizer=optim.SGD(lr=0.1))
+    for ids in cachedemb.prefetch(batches(300, 12), [emb], depth=2, horizon=4):
+        emb(ids, torch.arange(16) * 6).sum().backward()

@@ -448,7 +448,8 @@ class EmbeddingCache:
         c = self.capacity
         ids = next_use.ids.to(self.device, non_blocking=True)
         uses = next_use.uses.to(self.device, non_blocking=True)
-        fast = score_native.next_use(self.slot_ids, ids, uses, now) if self.device.type == "cpu" else None
+        # C on the host-count path only: under the CUDA rules the CPU run stands for the device's op sequence
+        fast = score_native.next_use(self.slot_ids, ids, uses, now) if counts_on_host(self.device) else None
         if fast is not None:
             self.next_use = fast
         else:
@@ -598,8 +599,9 @@ class EmbeddingCache:
 
     def _score_slots(self, policy: Policy, slots: torch.Tensor | None, protected: torch.Tensor) -> torch.Tensor:
         """`policy`'s scores of `slots` (None: all C) under `protected` (one per entry): for a built-in policy of
-        a one-table CPU cache in one C pass (cachedemb/cache/score_native.py), else the policy over the view."""
-        if self.device.type == "cpu" and getattr(self, "table_starts", None) is None:
+        a one-table CPU cache on the host-count path in one C pass (cachedemb/cache/score_native.py), else the
+        policy over the view (under the CUDA rules a CPU run stands for the device's op sequence)."""
+        if counts_on_host(self.device) and getattr(self, "table_starts", None) is None:
             score = score_native.score(policy, slots, protected, self.capacity, self.slot_ids, self.slot_freq,
                                      self.slot_last_use, self.next_use)
             if score is not None:
