@@ -60,3 +60,10 @@ def test_c_next_uses_equal_the_torch_code():
     known = (slot_ids[:c] == ids) & (uses >= now)
     assert torch.equal(score_native.next_use(slot_ids, ids, uses, now),
                        torch.where(known, uses - now, torch.full_like(uses, -1)))
+
+
+def test_the_c_kinds_are_the_slot_score_kernel_kinds():
+    """score_native.c numbers the policies as kernels/slot_score.py does (the mapping is policy.score_kernel)."""
+    from cachedemb import kernels
+
+    assert (kernels.SCORE_LFU, kernels.SCORE_LRU, kernels.SCORE_LOOKAHEAD) == (0, 1, 2)

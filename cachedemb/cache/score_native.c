@@ -1,7 +1,8 @@
 /* The built-in eviction policies' slot scores on CPU (cachedemb/cache/score_native.py), one pass in C: what
  * cachedemb/cache/policy.py's lfu / lru / lookahead and _finish compute with ~10 torch ops (and the view's
  * gathers), bit for bit. Entry i scores slot s = slots ? slots[i] : i from that slot's metadata; prot[i] is the
- * entry's protection. kind: 0 lfu, 1 lru, 2 lookahead (one table: no table rank). */
+ * entry's protection. kind: kernels/slot_score.py's SCORE_LFU 0, SCORE_LRU 1, SCORE_LOOKAHEAD 2 (one table:
+ * no table rank). */
 #include <stdint.h>
 
 #define TIER (((int64_t)1) << 32)

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import torch
 
-from cachedemb.cache.policy import lfu, lookahead, lru
+from cachedemb.cache.policy import score_kernel
 from cachedemb.kernels.native import CFunctions
 
-_KIND = {lfu: 0, lru: 1, lookahead: 2}
 enabled = True  # False: the policy's torch code (tests switch it)
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 _C = CFunctions(Path(__file__).with_name("score_native.c"), {
@@ -30,18 +29,11 @@ def _native():
     return _C.get() if enabled else None
 
 
-def kind_of(policy) -> int | None:
-    try:
-        return _KIND.get(policy)
-    except TypeError:  # an unhashable callable
-        return None
-
-
 def score(policy, slots: torch.Tensor | None, protected: torch.Tensor, capacity: int, slot_ids: torch.Tensor,
           freq: torch.Tensor, last_use: torch.Tensor, next_use: torch.Tensor) -> torch.Tensor | None:
     """Scores of `slots` (None: all `capacity` slots) under per-entry `protected`, or None where the C loop does
     not apply (the caller scores with the policy)."""
-    kind = kind_of(policy)
+    kind = score_kernel(policy)  # kernels/slot_score.py's SCORE_* kinds, which score_native.c takes too
     c = _native() if kind is not None else None
     if c is None or protected.device.type != "cpu" or protected.dtype != torch.bool:
         return None
