@@ -36,6 +36,7 @@ from .bag_backward import (
 )
 from .dispatch import backend_for, on_device, soft_rtne
 from .gather import put_rows
+from .host_sgd import sgd_rows
 from .pooled_forward import (
     HOST_LOC,
     MODE_MAX,
@@ -105,6 +106,8 @@ def _update_rows(rows, states, idx, g, rule: UpdateRule):
         return
     acc = acc_dtype(rows.dtype)
     g = g.to(acc)
+    if rule.kind == SGD and acc == rows.dtype and sgd_rows(rows, idx, g, -rule.lr):
+        return
     w = rows.index_select(0, idx).to(acc)
     if rule.kind == SGD:
         w.add_(g, alpha=-rule.lr)

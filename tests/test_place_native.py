@@ -109,3 +109,29 @@ def test_under_the_cuda_rules_no_c_loop_runs(monkeypatch):
     emb = cachedemb.CachedEmbeddingBag(300, 4, mode="sum", cache_rows=40, device="cpu", optimizer=optim.SGD(lr=0.1))
     for ids in cachedemb.prefetch(batches(300, 12), [emb], depth=2, horizon=4):
         emb(ids, torch.arange(16) * 6).sum().backward()
+
+
+@pytest.mark.parametrize("cache_rows", [8, 120])
+def test_eval_batches_and_host_served_misses_count_as_the_torch_code_does(cache_rows, monkeypatch):
+    """prepare's use counts (cemb_count_uses): training batches count into slots, the host table (misses past a
+    small cache) and the dump; eval batches only count lookups. Same counters and counts as the torch code."""
+    def trained(native):
+        monkeypatch.setattr(place_native, "enabled", native)
+        monkeypatch.setattr(score_native, "enabled", native)
+        torch.manual_seed(0)
+        emb = cachedemb.CachedEmbeddingBag(300, 4, mode="sum", cache_rows=cache_rows, device="cpu",
+                                           optimizer=optim.SGD(lr=0.1), padding_idx=3)
+        offsets = torch.arange(16) * 6
+        seen = []
+        for step, ids in enumerate(batches(300, 12, seed=1)):
+            emb.train(step % 3 != 2)
+            with torch.set_grad_enabled(emb.training):
+                out = emb(ids, offsets)
+                if emb.training:
+                    out.sum().backward()
+            seen.append({k: v.clone() for k, v in state(emb).items()})
+        return seen
+
+    for step, (a, b) in enumerate(zip(trained(False), trained(True))):
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{key} differs at step {step}"

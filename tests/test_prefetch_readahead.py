@@ -62,6 +62,10 @@ def test_next_use_bookkeeping_matches_a_scan_of_the_horizon(num, span, horizon, 
             ids = tracker.ring[now + 3][0].tolist()
             assert tracker.used_between(now + 3, now, now + 3).tolist() == [scan(sets, i, now, now + 3) >= 0
                                                                              for i in ids]
+            unused = [k for k, i in enumerate(ids) if scan(sets, i, now, now + 3) < 0]
+            for budget in (0, len(unused) - 1, len(unused), len(unused) + 5):
+                got = tracker.unused_between(now + 3, now, now + 3, budget)
+                assert (got is None if len(unused) > max(budget, 0) else got.tolist() == unused), (budget, unused)
     with pytest.raises(ValueError, match="span"):
         tracker.first_use(query, 0, horizon)
 

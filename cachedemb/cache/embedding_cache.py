@@ -351,6 +351,14 @@ class EmbeddingCache:
         else:
             self.settle()  # misses may read host rows that a window transfer in flight writes back
             loc_u, live, n_hit, n_miss, _ = self._place(uniq, n_uniq, self.policy)
+        c = place_native.native()
+        lookups = None if c is None else place_native.count_uses(
+            c, loc_u, live, counts, inverse, self.dump, self.batch_counter, self.slot_freq, self.slot_last_use,
+            self.host_freq, train)
+        if lookups is not None:
+            self.bump_stats(lookups=lookups, unique=n_uniq, hits=n_hit, misses=n_miss)
+            return self._finish_prepare(BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation, groups),
+                                        train, start)
         self.bump_stats(lookups=(inverse >= 0).sum(), unique=n_uniq, hits=n_hit, misses=n_miss)
         if train:
             resident = live & (loc_u >= 0)

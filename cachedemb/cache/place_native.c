@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #define HOST_LOC (-2)
+#define AHEAD 16 /* the map entries (a random read in a table-sized array) prefetched ahead */
 
 /* Hits and misses of distinct ids uniq[:cap] (the first n_uniq live) through the dense map id_slot; the hits'
  * slots are protected (prot[C] is the dump). Out: slot (-1: miss or dead), hit_slots (C: not a hit), was (the
@@ -13,6 +14,7 @@ void cemb_place_find(const int64_t *uniq, int64_t cap, int64_t n_uniq, const int
                      uint8_t *prot, int64_t *slot, int64_t *hit_slots, uint8_t *was, int64_t *counts) {
     int64_t n_hit = 0, n_miss = 0, newly = 0;
     for (int64_t i = 0; i < cap; i++) {
+        if (i + AHEAD < n_uniq && uniq[i + AHEAD] >= 0) __builtin_prefetch(&id_slot[uniq[i + AHEAD]], 0, 0);
         int64_t s = -1;
         if (i < n_uniq) s = (int64_t)id_slot[uniq[i] < 0 ? 0 : uniq[i]];
         int hit = i < n_uniq && s >= 0;
@@ -67,10 +69,14 @@ void cemb_place_commit(const int64_t *uniq, int64_t cap, int64_t n_uniq, const i
     if (k <= 0) return;
     int64_t used = n_admit < k ? n_admit : k;
     for (int64_t j = 0; j < k; j++) old_ids[j] = slot_ids[victims[j]];
-    for (int64_t j = 0; j < used; j++)
+    for (int64_t j = 0; j < used; j++) {
+        if (j + AHEAD < used && old_ids[j + AHEAD] >= 0) __builtin_prefetch(&id_slot[old_ids[j + AHEAD]], 1, 0);
         if (old_ids[j] >= 0) id_slot[old_ids[j]] = -1;
-    for (int64_t i = 0; i < cap && i < n_uniq; i++)
+    }
+    for (int64_t i = 0; i < cap && i < n_uniq; i++) {
+        if (i + AHEAD < n_uniq && uniq[i + AHEAD] >= 0) __builtin_prefetch(&id_slot[uniq[i + AHEAD]], 1, 0);
         if (slot[i] < 0 && dest[i] >= 0) id_slot[uniq[i]] = (int32_t)dest[i];
+    }
     for (int64_t r = 0; r <= cap; r++) miss_ids[r] = miss_dest[r] = -1;
     rank = -1;
     for (int64_t i = 0; i < cap; i++) {
@@ -92,4 +98,28 @@ void cemb_place_commit(const int64_t *uniq, int64_t cap, int64_t n_uniq, const i
     masked_put_i64(slot_ids, miss_dest, miss_ids, 0, cap + 1, n_miss, C);
     masked_put_u8(dirty, miss_dest, 0, cap + 1, n_miss, C);
     masked_put_i64(last_use, miss_dest, 0, batch, cap + 1, n_miss, C);
+}
+
+/* prepare's training counts (after the placement): a resident id (live, loc >= 0) adds its count to its slot and
+ * stamps the slot's last use; every other id adds to and stamps the dump element (index_add_ / index_fill_ over
+ * the dumped index); a live id served from the host (loc <= HOST_LOC) adds its count to its host row. Returns
+ * the batch's real lookups (inverse >= 0). */
+int64_t cemb_count_uses(const int64_t *loc_u, const uint8_t *live, const int64_t *counts, int64_t cap, int64_t dump,
+                        int64_t batch, int64_t *slot_freq, int64_t *last_use, int64_t *host_freq, int64_t host_rows,
+                        const int64_t *inverse, int64_t n_lookups, int64_t train) {
+    if (train) {
+        for (int64_t i = 0; i < cap; i++) {
+            int64_t loc = loc_u[i];
+            int64_t at = (live[i] && loc >= 0) ? loc : dump;
+            slot_freq[at] += counts[i];
+            last_use[at] = batch;
+            if (live[i] && loc <= HOST_LOC) {
+                int64_t row = HOST_LOC - loc;
+                if (row < host_rows) host_freq[row] += counts[i];
+            }
+        }
+    }
+    int64_t lookups = 0;
+    for (int64_t j = 0; j < n_lookups; j++) lookups += inverse[j] >= 0;
+    return lookups;
 }

@@ -24,6 +24,7 @@ _C = CFunctions(Path(__file__).with_name("place_native.c"), {
     "cemb_place_find": ([_P, _I64, _I64, _P, _I64, _P, _P, _P, _P, _P], None),
     "cemb_place_commit": ([_P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64,
                            _P, _P, _P, _P, _P, _P, _P], None),
+    "cemb_count_uses": ([_P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64], _I64),
 })
 
 
@@ -98,3 +99,21 @@ def commit(c, f: Found, protected, victims, n_admit: int, capacity: int, id_slot
     if not k:
         return loc_u, None, None, None, None, 0, 0
     return loc_u, old_ids, dirty_ids, miss_ids, miss_dest, evicted, written
+
+
+def count_uses(c, loc_u, live, counts, inverse, dump: int, batch: int, slot_freq, last_use, host_freq,
+               train: bool) -> torch.Tensor | None:
+    """prepare's use counts in one pass (see cemb_count_uses): the batch's real lookups as a [1] tensor, or None,
+    with nothing changed, where a tensor is not what the loop reads (the torch code then runs)."""
+    ints = (loc_u, counts, inverse, slot_freq, last_use, host_freq)
+    if not (live.dtype == torch.bool and all(t.dtype == torch.int64 for t in ints)
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in (live, *ints))
+            and loc_u.numel() == live.numel() == counts.numel()):
+        return None
+    lookups = c.cemb_count_uses(_p(loc_u), _p(live), _p(counts), loc_u.numel(), dump, batch, _p(slot_freq),
+                                _p(last_use), _p(host_freq), host_freq.numel(), _p(inverse), inverse.numel(),
+                                int(train))
+    if train and _BUMP is not None:
+        for t in (slot_freq, last_use, host_freq):
+            _BUMP(t)
+    return torch.tensor([lookups], dtype=torch.int64)

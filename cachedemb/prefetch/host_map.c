@@ -8,6 +8,7 @@
 #define EMPTY (-1)
 #define TOMB (-2)
 #define MULT ((uint64_t)0x9E3779B97F4A7C15ULL)
+#define AHEAD 16 /* entries prefetched ahead: every loop below reads the map at random positions */
 
 static inline int64_t home(int64_t id, int64_t bits) {
     int64_t prod = (int64_t)((uint64_t)id * MULT);
@@ -17,6 +18,7 @@ static inline int64_t home(int64_t id, int64_t bits) {
 /* out[i]: the position of ids[i], -1 where absent. */
 void cemb_map_find(const int64_t *keys, int64_t bits, const int64_t *ids, int64_t n, int64_t *out) {
     for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) __builtin_prefetch(&keys[home(ids[i + AHEAD], bits)], 0, 0);
         int64_t id = ids[i], p = home(id, bits), found = -1;
         for (;; p++) {
             int64_t k = keys[p];
@@ -33,6 +35,7 @@ int64_t cemb_map_insert(int64_t *keys, int64_t bits, int64_t none, const int64_t
                         int64_t *was) {
     int64_t reused = 0;
     for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) __builtin_prefetch(&keys[home(ids[i + AHEAD], bits)], 1, 0);
         int64_t p = home(ids[i], bits);
         while (keys[p] >= 0) p++;
         if (p >= none) {
@@ -59,12 +62,18 @@ void cemb_map_drop_empty(int64_t *keys, const int64_t *words, const uint8_t *pin
 
 /* words[pos[i], word] |= bit (set) or &= ~bit (clear, then drop the ids left with no word, unless pinned). */
 void cemb_bits_set(int64_t *words, int64_t W, int64_t word, int64_t bit, const int64_t *pos, int64_t n) {
-    for (int64_t i = 0; i < n; i++) words[pos[i] * W + word] |= bit;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) __builtin_prefetch(&words[pos[i + AHEAD] * W + word], 1, 0);
+        words[pos[i] * W + word] |= bit;
+    }
 }
 
 void cemb_bits_clear_drop(int64_t *keys, int64_t *words, const uint8_t *pinned, int64_t W, int64_t word,
                           int64_t bit, const int64_t *pos, int64_t n) {
-    for (int64_t i = 0; i < n; i++) words[pos[i] * W + word] &= ~bit;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) __builtin_prefetch(&words[pos[i + AHEAD] * W + word], 1, 0);
+        words[pos[i] * W + word] &= ~bit;
+    }
     cemb_map_drop_empty(keys, words, pinned, W, pos, n);
 }
 
@@ -73,6 +82,7 @@ void cemb_bits_clear_drop(int64_t *keys, int64_t *words, const uint8_t *pinned, 
 void cemb_first_in(const int64_t *words, int64_t W, const int64_t *pos, int64_t n, const int64_t *seg_word,
                    const int64_t *seg_mask, const int64_t *seg_base, int64_t nseg, int64_t *out) {
     for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) __builtin_prefetch(&words[pos[i + AHEAD] * W], 0, 0);
         int64_t p = pos[i], first = -1;
         for (int64_t s = 0; s < nseg; s++) {
             uint64_t v = (uint64_t)(words[p * W + seg_word[s]] & seg_mask[s]);
@@ -80,6 +90,24 @@ void cemb_first_in(const int64_t *words, int64_t W, const int64_t *pos, int64_t 
         }
         out[i] = first;
     }
+}
+
+/* The indices i (ascending) whose words at pos[i] have no bit in any segment: written to out, counted; stops
+ * as soon as the count passes `budget` and returns -1 (a window planner that only needs to know the batch
+ * does not fit reads a few thousand ids, not the batch's 40k). */
+int64_t cemb_unused_in(const int64_t *words, int64_t W, const int64_t *pos, int64_t n, const int64_t *seg_word,
+                       const int64_t *seg_mask, int64_t nseg, int64_t budget, int64_t *out) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) __builtin_prefetch(&words[pos[i + AHEAD] * W], 0, 0);
+        int64_t p = pos[i], used = 0;
+        for (int64_t s = 0; s < nseg && !used; s++) used = (words[p * W + seg_word[s]] & seg_mask[s]) != 0;
+        if (!used) {
+            if (count >= budget) return -1;
+            out[count++] = i;
+        }
+    }
+    return count;
 }
 
 /* a[pos[i]] = value (pins: a bool array as bytes; the slot-at array). */

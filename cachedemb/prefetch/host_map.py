@@ -25,6 +25,7 @@ _C = CFunctions(Path(__file__).with_name("host_map.c"), {
     "cemb_bits_set": ([_P, _I64, _I64, _I64, _P, _I64], None),
     "cemb_bits_clear_drop": ([_P, _P, _P, _I64, _I64, _I64, _P, _I64], None),
     "cemb_first_in": ([_P, _I64, _P, _I64, _P, _P, _P, _I64, _P], None),
+    "cemb_unused_in": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _P], _I64),
     "cemb_fill_u8": ([_P, _P, _I64, _I64], None),
     "cemb_fill_i64": ([_P, _P, _I64, _I64], None),
     "cemb_track_slots": ([_P, _P, _P, _I64, _I64], _I64),
@@ -82,6 +83,16 @@ def first_in(c, words, pos: torch.Tensor, segments: list[tuple[int, int, int]]) 
     c.cemb_first_in(_ptr(words), words.shape[1], _ptr(pos), pos.numel(), _ptr(seg[0]), _ptr(seg[1]), _ptr(seg[2]),
                     seg.shape[1], _ptr(out))
     return out
+
+
+def unused_in(c, words, pos: torch.Tensor, segments: list[tuple[int, int, int]], budget: int) -> torch.Tensor | None:
+    """Indices of the positions with no bit in any segment (ascending), or None once more than `budget`."""
+    pos = _ids(pos)
+    out = torch.empty(min(pos.numel(), max(budget, 0)), dtype=torch.int64)
+    seg = torch.tensor(segments, dtype=torch.int64).reshape(-1, 3).t().contiguous()
+    count = c.cemb_unused_in(_ptr(words), words.shape[1], _ptr(pos), pos.numel(), _ptr(seg[0]), _ptr(seg[1]),
+                             seg.shape[1], max(budget, 0), _ptr(out))
+    return None if count < 0 else out[:count]
 
 
 def fill(c, target: torch.Tensor, pos: torch.Tensor, value: int) -> None:

@@ -14,7 +14,8 @@ not yet taken over) and hi <= entered (or the source ended).
 - `first_use(ids, now, horizon)`: each id's first use in [now, now + horizon), O(len(ids));
 - `slot_uses(ids, now, horizon)`: the same for the cache's slot ids, which change little between windows: their
   map positions are kept from the last call and found again only where the id there changed;
-- `used_between(batch, lo, hi)`: which of a batch's distinct ids are used in [lo, hi) (window unions).
+- `used_between(batch, lo, hi)`: which of a batch's distinct ids are used in [lo, hi); `unused_between` the
+  others' indices, up to a budget (window unions).
 """
 from __future__ import annotations
 
@@ -293,6 +294,20 @@ class NextUseTracker:
         self._check(lo)
         _, pos = self.ring_entry(batch)
         return self._first_in(pos, lo, hi) >= 0
+
+    def unused_between(self, batch: int, lo: int, hi: int, budget: int) -> torch.Tensor | None:
+        """Indices (in `ring` order) of `batch`'s distinct ids that no batch in [lo, hi) uses, or None as soon as
+        there are more than `budget` of them (a window planner stops reading there)."""
+        self._check(lo)
+        _, pos = self.ring_entry(batch)
+        budget = max(budget, 0)
+        c = host_map.lib()
+        if c is None or hi <= lo:
+            fresh = nonzero_1d(self._first_in(pos, lo, hi) < 0)
+            return None if fresh.numel() > budget else fresh
+        return host_map.unused_in(c, self.map.words, pos, [
+            (word, _signed(((1 << (hi_bit - lo_bit)) - 1) << lo_bit), 0)
+            for word, lo_bit, hi_bit, _ in self._segments(lo, hi)], budget)
 
     def nbytes(self) -> int:
         """Host bytes held: the map, the ring of distinct ids and their positions, the kept slot ids, positions

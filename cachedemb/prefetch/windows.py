@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from cachedemb.kernels.host_nonzero import nonzero_1d
 from cachedemb.prefetch.next_use import NextUseTracker
 
 FILL = 0.5  # a window of two or more batches protects at most this share of a cache's slots
@@ -54,12 +53,17 @@ def plan_window(start: int, available: int, trackers: list[NextUseTracker], capa
     for k in range(min(available, depth)):
         batch = start + k
         fresh = []
-        for tracker in trackers:
+        for tracker, size, cap in zip(trackers, sizes, capacities):
             ids, pos = tracker.ring_entry(batch)
             if k:
-                new = nonzero_1d(tracker.used_between(batch, start, batch).logical_not())
+                # the batch's ids no earlier batch of the window uses; reading stops once they cannot fit
+                new = tracker.unused_between(batch, start, batch, window_limit(cap, k + 1) - size)
+                if new is None:
+                    break
                 ids, pos = ids.index_select(0, new), pos.index_select(0, new)
             fresh.append((ids, pos))
+        if len(fresh) < len(trackers):
+            break
         grown = [size + ids.numel() for size, (ids, _) in zip(sizes, fresh)]
         if any(g > window_limit(cap, k + 1) for g, cap in zip(grown, capacities)):
             break
