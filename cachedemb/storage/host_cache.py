@@ -24,8 +24,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cachedemb.kernels.host_sort import stable_sort
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.storage.row_index import RowIndex
+from cachedemb.storage.slab_victims import victim_keys
 from cachedemb.storage.table_file import IoTicket, TableFile
 
 EVICT_FRACTION = 16  # an eviction frees at least 1/16 of the slab, so its O(slab) ranking is amortized
@@ -33,9 +35,25 @@ WRITE_ROWS = 1 << 14  # rows per write-back batch
 
 
 def distinct(ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """(ascending distinct ids, position of each id among them) of a 1-D int64 host tensor."""
-    uniq, inverse = np.unique(ids.numpy(), return_inverse=True)
-    return uniq.astype(np.int64, copy=False), inverse.reshape(-1)
+    """(ascending distinct ids, position of each id among them) of a 1-D int64 host tensor: `np.unique`'s
+    answer through the packed-key sort (kernels/host_sort.py), about half its time."""
+    ids = ids.reshape(-1).to(torch.int64)
+    if ids.numel() < 2:
+        return ids.numpy().copy(), np.zeros(ids.numel(), dtype=np.int64)
+    keys, perm = stable_sort(ids)
+    uniq, inverse_sorted = torch.unique_consecutive(keys, return_inverse=True)
+    inverse = torch.empty_like(inverse_sorted)
+    inverse.index_copy_(0, perm, inverse_sorted)
+    return uniq.numpy(), inverse.numpy()
+
+
+def _any_in(ids: np.ndarray, ascending: np.ndarray) -> bool:
+    """Whether any of `ids` is in the ascending array (a write-back's ids): a binary search per id, not a sort
+    of both as np.isin does."""
+    if ascending.size == 0 or ids.size == 0:
+        return False
+    at = np.minimum(np.searchsorted(ascending, ids), ascending.size - 1)
+    return bool((ascending[at] == ids).any())
 
 
 BOOKKEEPING_BYTES = 43  # per slab row: id, last batch, next known use, load serial, window (8 B each); dirty, free, resident
@@ -131,7 +149,7 @@ class HostRowCache:
     def _load(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Read rows `ids` into slab `rows` on the pool (after any write of them still in flight)."""
         for written, ticket in self.writes:
-            if not ticket.done() and np.isin(ids, written, assume_unique=True).any():
+            if not ticket.done() and _any_in(ids, written):
                 ticket.wait()
         self.writes = [(w, t) for w, t in self.writes if not t.done()]
         cache, layout = self.cache, self.layout
@@ -168,17 +186,11 @@ class HostRowCache:
     def _evict(self, need: int, keep: np.ndarray) -> None:
         """Free at least `need` rows (a batch of them: at least 1/EVICT_FRACTION of the slab) among rows no
         batch in flight holds and not in `keep`: lowest access count first, then least recently used."""
-        held = self.row_step >= self.done_below
-        cand_mask = (self.row_id >= 0) & ~held
-        cand_mask[keep] = False
-        cand = np.flatnonzero(cand_mask)
+        cand, key = victim_keys(self.row_id, self.row_step, self.next_use, self.cache.host_freq.numpy(),
+                                self.done_below, keep)
         if cand.size == 0:
             return
         want = min(cand.size, max(need, (self.base - self.first) // EVICT_FRACTION))
-        freq = self.cache.host_freq.numpy()[cand]
-        key = (np.minimum(freq, (1 << 40) - 1) << 22) | np.clip(self.row_step[cand] + 1, 0, (1 << 22) - 1)
-        # Look-ahead (under prefetch): rows a batch of the horizon reads go last.
-        key |= (self.next_use[cand] >= self.done_below).astype(np.int64) << 62
         if want < cand.size:
             cand = cand[np.argpartition(key, want - 1)[:want]]
         self.evict_rows(cand)
