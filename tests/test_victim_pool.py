@@ -262,3 +262,36 @@ def test_miss_estimate_sees_counts_only_after_they_land():
         est.push(torch.tensor([count]))
         seen.append(est.value())
     assert seen == [None, None, 5, 9, 9, 9, 2]
+
+
+def test_rows_dropped_by_a_host_tier_join_the_pool_with_the_full_rankings_victims(tmp_path, monkeypatch):
+    """A file-backed table's host cache drops device copies of the rows it evicts (EmbeddingCache.drop_rows): the
+    emptied slots join the victim pool instead of forcing a full ranking, and the device cache ends in the same
+    state (slots, counts, stats) as when every drop re-ranks the whole cache."""
+    import numpy as np
+
+
+    def train(rerank: bool, name: str):
+        if rerank:
+            monkeypatch.setattr(VictimPool, "include", lambda self, slots, exact: self.invalidate())
+        else:
+            monkeypatch.undo()
+        torch.manual_seed(0)
+        emb = cachedemb.CachedEmbeddingBag(3000, 4, mode="sum", cache_rows=60, device="cpu",
+                                           optimizer=cachedemb.optim.SGD(lr=0.1),
+                                           storage=cachedemb.FileStorage(tmp_path / name, host_cache_bytes=30_000))
+        g = np.random.default_rng(5)
+        for _ in range(25):
+            ids = torch.from_numpy((g.random(96) ** 2 * 3000).astype(np.int64))
+            emb(ids, torch.arange(0, 96, 6)).sum().backward()
+        c = emb.inner.cache
+        out = (c.slot_ids.clone(), c.slot_freq.clone(), c.stats.clone(), emb.export_state_dict()["weight"].clone(),
+               emb.host.stats["evicted"], c.victim_pool.rankings)
+        emb.close()
+        return out
+
+    pooled, ranked = train(False, "a.cemb"), train(True, "b.cemb")
+    assert pooled[4] > 0  # the host cache evicted rows, so device copies were dropped
+    for a, b in zip(pooled[:4], ranked[:4]):
+        assert torch.equal(a, b)
+    assert pooled[5] < ranked[5]  # fewer full rankings
