@@ -90,6 +90,57 @@ def test_file_table_trains_as_in_memory(tmp_path, name, host_rows, cache_rows):
     ours.close()
 
 
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_rows_reloaded_while_their_write_back_is_in_flight(tmp_path, name, monkeypatch):
+    """A slow writer: rows evicted and needed again before their write lands are copied from the write's records
+    (not waited for, not read back stale), and training stays equal to in memory."""
+    import time
+
+    from cachedemb.storage.table_file import TableFile
+
+    real = TableFile._write_task
+
+    def slow(self, ids, records):
+        time.sleep(0.02)
+        return real(self, ids, records)
+
+    monkeypatch.setattr(TableFile, "_write_task", slow)
+    ref, ours = pair(tmp_path, SPECS[name], 30, 8, mode="sum")
+    for ids, offsets, psw, target in batches(seed=7, steps=20):
+        assert torch.equal(step(ref, ids, offsets, psw, target), step(ours, ids, offsets, psw, target))
+    assert_same_table(ref, ours)
+    assert ours.cache_stats()["host_cache"]["from_writes"] > 0
+    ours.close()
+
+
+def test_a_row_in_two_writes_in_flight_is_reloaded_from_the_newest(tmp_path, monkeypatch):
+    import threading
+
+    from cachedemb.storage.table_file import TableFile
+
+    _, ours = pair(tmp_path, SPECS["sgd"], 30, 8, mode="sum")
+    ids, offsets, psw, target = batches(seed=8, steps=1)[0]
+    step(ours, ids, offsets, psw, target)
+    host, cache = ours.host, ours.inner.cache
+    ours.inner.cache.flush()
+    row = int(np.flatnonzero(host.row_id >= 0)[0])
+    gate, real = threading.Event(), TableFile._write_task
+    monkeypatch.setattr(TableFile, "_write_task", lambda self, i, r: (gate.wait(), real(self, i, r)))
+    try:
+        for value in (1.0, 2.0):  # two write-backs of the row, both held back by the writer
+            cache.host_weight[row] = value
+            host.dirty[row] = True
+            host.write_back(np.array([row]))
+        cache.host_weight[row] = -7.0  # the slab row is reused ...
+        host._load(host.row_id[[row]], np.array([row]))  # ... and the row is read again
+        assert torch.equal(cache.host_weight[row], torch.full((D,), 2.0))
+        assert host.stats["from_writes"] == 1
+    finally:
+        gate.set()
+    ours.table.drain()
+    ours.close()
+
+
 @pytest.mark.parametrize("mode", ["mean", "max"])
 def test_modes_padding_and_weights(tmp_path, mode):
     kw = dict(mode=mode, padding_idx=5)

@@ -47,13 +47,13 @@ def distinct(ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     return uniq.numpy(), inverse.numpy()
 
 
-def _any_in(ids: np.ndarray, ascending: np.ndarray) -> bool:
-    """Whether any of `ids` is in the ascending array (a write-back's ids): a binary search per id, not a sort
-    of both as np.isin does."""
-    if ascending.size == 0 or ids.size == 0:
-        return False
+def _positions_in(ids: np.ndarray, ascending: np.ndarray) -> np.ndarray:
+    """Where each of `ids` sits in the ascending array (a write-back's ids), -1 where absent: a binary search
+    per id."""
+    if ascending.size == 0:
+        return np.full(ids.size, -1, dtype=np.int64)
     at = np.minimum(np.searchsorted(ascending, ids), ascending.size - 1)
-    return bool((ascending[at] == ids).any())
+    return np.where(ascending[at] == ids, at, -1)
 
 
 BOOKKEEPING_BYTES = 43  # per slab row: id, last batch, next known use, load serial, window (8 B each); dirty, free, resident
@@ -82,8 +82,9 @@ class HostRowCache:
         self.done_below = 0  # batches with a lower sequence number have run forward and backward
         self.loads: list[IoTicket] = []  # loads not waited for, oldest first
         self.load_serial = 0  # loads issued so far; row_load[r]: the one that fills row r
-        self.writes: list[tuple[np.ndarray, IoTicket]] = []
-        self.stats = dict.fromkeys(("hits", "misses", "evicted", "written_back", "staging_rows", "grown"), 0)
+        self.writes: list[tuple[np.ndarray, torch.Tensor, IoTicket]] = []  # (ids ascending, records, ticket)
+        self.stats = dict.fromkeys(("hits", "misses", "evicted", "written_back", "from_writes", "staging_rows",
+                                    "grown"), 0)
 
     def _alloc_arrays(self, n: int) -> None:
         self.row_load = np.zeros(n, dtype=np.int64)
@@ -147,22 +148,33 @@ class HostRowCache:
         return rows
 
     def _load(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Read rows `ids` into slab `rows` on the pool (after any write of them still in flight)."""
-        for written, ticket in self.writes:
-            if not ticket.done() and _any_in(ids, written):
-                ticket.wait()
-        self.writes = [(w, t) for w, t in self.writes if not t.done()]
+        """Read rows `ids` into slab `rows` on the pool. A row whose write-back is still in flight is copied from
+        that write's records (the bytes the file will hold; the newest write where it is in several) instead
+        of waiting for the write and reading it back."""
+        self.writes = [(w, r, t) for w, r, t in self.writes if not t.done()]
         cache, layout = self.cache, self.layout
-        dest = torch.from_numpy(rows)
 
-        def land(records: torch.Tensor, order: torch.Tensor) -> None:  # on a reader thread, disjoint rows
-            at = dest.index_select(0, order)
+        def land(records: torch.Tensor, at: torch.Tensor) -> None:  # disjoint slab rows `at`
             cache.host_weight.index_copy_(0, at, layout.weight_view(records))
             for name in cache.host_states:
                 cache.host_states[name].index_copy_(0, at, layout.state_view(records, name))
             cache.host_freq.index_copy_(0, at, layout.count_view(records))
 
-        self.loads.append(self.table.read(ids, sink=land))
+        served = np.zeros(ids.size, dtype=bool)
+        for written, records, _ in reversed(self.writes):  # newest first
+            at = _positions_in(ids, written)
+            take = (at >= 0) & ~served
+            if take.any():
+                land(records.index_select(0, torch.from_numpy(at[take])), torch.from_numpy(rows[take]))
+                served |= take
+        if served.any():
+            self.row_load[rows[served]] = 0  # in place now: nothing to wait for
+            ids, rows = ids[~served], rows[~served]
+            self.stats["from_writes"] += int(served.sum())
+        if ids.size == 0:
+            return
+        dest = torch.from_numpy(rows)
+        self.loads.append(self.table.read(ids, sink=lambda records, order: land(records, dest.index_select(0, order))))
         self.load_serial += 1
         self.row_load[rows] = self.load_serial
 
@@ -247,10 +259,10 @@ class HostRowCache:
             records = self.layout.pack(cache.host_weight.index_select(0, at), states,
                                        cache.host_freq.index_select(0, at))
             ids = self.row_id[part]
-            self.writes.append((ids, self.table.write(ids, records)))
+            self.writes.append((ids, records, self.table.write(ids, records)))
             if len(self.writes) > 4:  # at most a few batches of records in flight
-                self.writes[0][1].wait()
-                self.writes = [(w, t) for w, t in self.writes if not t.done()]
+                self.writes[0][2].wait()
+                self.writes = [(w, r, t) for w, r, t in self.writes if not t.done()]
         self.dirty[rows] = False
         self.stats["written_back"] += int(rows.size)
 
