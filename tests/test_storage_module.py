@@ -92,22 +92,25 @@ def test_file_table_trains_as_in_memory(tmp_path, name, host_rows, cache_rows):
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])
 def test_rows_reloaded_while_their_write_back_is_in_flight(tmp_path, name, monkeypatch):
-    """A slow writer: rows evicted and needed again before their write lands are copied from the write's records
-    (not waited for, not read back stale), and training stays equal to in memory."""
-    import time
+    """A slow writer (a write takes two steps, or 0.2 s if the loop waits for it): rows evicted and needed again
+    before their write lands are copied from the write's records (not waited for, not read back stale), and
+    training stays equal to in memory."""
+    import threading
 
     from cachedemb.storage.table_file import TableFile
 
-    real = TableFile._write_task
+    real, turn = TableFile._write_task, threading.Semaphore(0)
 
     def slow(self, ids, records):
-        time.sleep(0.02)
+        turn.acquire(timeout=0.1)
+        turn.acquire(timeout=0.1)
         return real(self, ids, records)
 
     monkeypatch.setattr(TableFile, "_write_task", slow)
     ref, ours = pair(tmp_path, SPECS[name], 30, 8, mode="sum")
-    for ids, offsets, psw, target in batches(seed=7, steps=20):
+    for ids, offsets, psw, target in batches(seed=7, steps=12):
         assert torch.equal(step(ref, ids, offsets, psw, target), step(ours, ids, offsets, psw, target))
+        turn.release()
     assert_same_table(ref, ours)
     assert ours.cache_stats()["host_cache"]["from_writes"] > 0
     ours.close()
