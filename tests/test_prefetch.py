@@ -181,3 +181,18 @@ def test_lookahead_breaks_count_ties_by_table_size():
     assert int(torch.argmin(score)) == int((c.slot_ids[:2] == 50).nonzero()[0, 0])
     with pytest.raises(ValueError, match="table starts"):
         emb.cache.set_tables([1, 10])
+
+
+def test_prefetch_targets_are_the_ids_the_forward_looks_up():
+    """Valid ids come back as they are (no copy needed: the pipeline copies), ids out of range and the padding id
+    are dropped, whatever the integer dtype."""
+    emb = cachedemb.CachedEmbeddingBag(100, 4, cache_rows=10, device="cpu")
+    for dtype in (torch.int64, torch.int32):
+        ids = torch.tensor([[1, 2], [99, 0]], dtype=dtype)
+        (cache, got), = emb.prefetch_targets((ids, None))
+        assert cache is emb.cache and got.tolist() == [1, 2, 99, 0]
+        (_, got), = emb.prefetch_targets(torch.tensor([5, 100, -1, 7], dtype=dtype))
+        assert got.tolist() == [5, 7]
+    padded = cachedemb.CachedEmbeddingBag(100, 4, cache_rows=10, device="cpu", padding_idx=3)
+    (_, got), = padded.prefetch_targets({"input": torch.tensor([3, 4, 3, 150])})
+    assert got.tolist() == [4]

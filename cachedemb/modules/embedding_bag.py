@@ -548,7 +548,8 @@ class CachedEmbeddingBag(nn.Module):
         if not torch.is_tensor(batch):
             raise TypeError(f"cannot find ids in a {type(batch).__name__}: give prefetch(ids=...)")
         ids = batch.reshape(-1)
-        if ids.device.type == "cpu" and ids.numel() and self.padding_idx is None and not ids.is_floating_point():
+        if ids.device.type == "cpu" and ids.numel() and self.padding_idx is None and ids.dtype in (torch.int64,
+                                                                                                   torch.int32):
             lo, hi = torch.aminmax(ids)  # one pass; a masked copy costs ~10x that, and the ids are usually valid
             if int(lo) >= 0 and int(hi) < self.num_embeddings:
                 return [(self.cache, ids)]
