@@ -166,7 +166,10 @@ class VictimPool:
             n_valid = ((score <= self.bound) & (score < PROTECTED)).sum().reshape(1)
             if exact:
                 if int(n_valid) >= int(n_admit):
-                    return pool[kernels.victim_select(score, min(k, pool.numel()), exact)]
+                    victims = pool[kernels.victim_select(score, min(k, pool.numel()), exact)]
+                    if not whole:
+                        self._prune(pool, score)
+                    return victims
             else:
                 # the pool's k1 lowest serve a batch admitting <= k1 while it holds enough scores <= its bound;
                 # else the gated ranking's k victims (k1 and the pool's size stay the last ranking's)
@@ -181,6 +184,17 @@ class VictimPool:
                 self.bound = torch.where(drained, self.bound, old_bound)
                 return torch.where(drained, victims, from_pool)
         return self._rank(policy, score_all, unprotect_hits, protected, k, k1, size, exact)
+
+    def _prune(self, pool: torch.Tensor, score: torch.Tensor) -> None:
+        """Drop the candidates that score above `bound` (exact path): a monotone score does not come back down
+        while the slot keeps its id and protection, and whatever lowers it makes the slot join again (`include`)
+        or invalidates the pool, so every slot outside still scores above `bound`. Protected scores stay (a
+        batch's hit protection is taken off again without an `include`). This batch's victims score <= bound and
+        stay: their new rows' scores are unknown here. Without it every prefetch window's slots, included when
+        its protection comes off, stay in the pool to be re-scored each batch (mostly rows used again soon,
+        far above the bound) until the pool doubles and a full ranking is forced."""
+        keep = (score <= self.bound) | (score >= PROTECTED)
+        self.slots = pool.masked_select(keep)
 
     def _rank(self, policy, score_all, unprotect_hits, protected, k, k1, size, exact, gate=None) -> torch.Tensor:
         """Score every slot (window protection only), keep the `size` lowest as the pool (serving k1 victims a

@@ -135,3 +135,50 @@ int64_t cemb_track_slots(int64_t *slot_at, const int64_t *pos, const int64_t *ch
     }
     return ok;
 }
+
+static inline int64_t first_set(const int64_t *row, const int64_t *seg_word, const int64_t *seg_mask,
+                                const int64_t *seg_base, int64_t nseg) {
+    for (int64_t s = 0; s < nseg; s++) {
+        uint64_t v = (uint64_t)(row[seg_word[s]] & seg_mask[s]);
+        if (v) return seg_base[s] + __builtin_ctzll(v);
+    }
+    return -1;
+}
+
+/* One step of moving the slots' kept first uses on (next_use.py's `_slide`). For each entry of `list` (a slot
+ * when via_slot_at is 0; else a map position, whose slot is slot_at[p], skipped where -1) whose kept use passes
+ * the test (when 0: always; 1: uses[s] < lo, its first use left the range; 2: uses[s] == -1, none in the last
+ * range), uses[s] becomes the first batch set in the words at pos[s] over the segments. Recomputing a slot
+ * twice gives the same answer, so the order of the entries does not change the result. */
+void cemb_slide_pass(const int64_t *words, int64_t W, const int64_t *pos, int64_t *uses, const int64_t *slot_at,
+                     const int64_t *list, int64_t n, int64_t via_slot_at, int64_t test, int64_t lo,
+                     const int64_t *seg_word, const int64_t *seg_mask, const int64_t *seg_base, int64_t nseg) {
+    /* three random reads a slot (slot_at, then uses and pos, then its words): prefetched in stages, each AHEAD
+     * entries before the next reads it */
+    for (int64_t i = 0; i < n; i++) {
+        if (via_slot_at && i + 3 * AHEAD < n) __builtin_prefetch(&slot_at[list[i + 3 * AHEAD]], 0, 0);
+        if (i + 2 * AHEAD < n) {
+            int64_t t = via_slot_at ? slot_at[list[i + 2 * AHEAD]] : list[i + 2 * AHEAD];
+            if (t >= 0) { __builtin_prefetch(&uses[t], 0, 0); __builtin_prefetch(&pos[t], 0, 0); }
+        }
+        if (i + AHEAD < n) {
+            int64_t t = via_slot_at ? slot_at[list[i + AHEAD]] : list[i + AHEAD];
+            if (t >= 0) __builtin_prefetch(&words[pos[t] * W], 0, 0);
+        }
+        int64_t s = via_slot_at ? slot_at[list[i]] : list[i];
+        if (s < 0) continue;
+        if (test == 1 && uses[s] >= lo) continue;
+        if (test == 2 && uses[s] != -1) continue;
+        uses[s] = first_set(&words[pos[s] * W], seg_word, seg_mask, seg_base, nseg);
+    }
+}
+
+/* The indices i (ascending) where a[i] != b[i]: written to out, counted. */
+int64_t cemb_changed(const int64_t *a, const int64_t *b, int64_t n, int64_t *out) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) {
+        out[count] = i;
+        count += a[i] != b[i];
+    }
+    return count;
+}

@@ -29,6 +29,8 @@ _C = CFunctions(Path(__file__).with_name("host_map.c"), {
     "cemb_fill_u8": ([_P, _P, _I64, _I64], None),
     "cemb_fill_i64": ([_P, _P, _I64, _I64], None),
     "cemb_track_slots": ([_P, _P, _P, _I64, _I64], _I64),
+    "cemb_slide_pass": ([_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64], None),
+    "cemb_changed": ([_P, _P, _I64, _P], _I64),
 })
 
 
@@ -105,3 +107,26 @@ def fill(c, target: torch.Tensor, pos: torch.Tensor, value: int) -> None:
 def track_slots(c, slot_at: torch.Tensor, pos: torch.Tensor, changed: torch.Tensor, none: int) -> bool:
     pos, changed = _ids(pos), _ids(changed)
     return bool(c.cemb_track_slots(_ptr(slot_at), _ptr(pos), _ptr(changed), changed.numel(), none))
+
+
+# the tests of `slide_pass`: recompute every entry; only those whose first use left the range (< lo); only those
+# with no use in the last range (-1)
+ALWAYS, LEFT_RANGE, NONE_YET = 0, 1, 2
+
+
+def slide_pass(c, words, pos: torch.Tensor, uses: torch.Tensor, slot_at: torch.Tensor | None, entries: torch.Tensor,
+               test: int, lo: int, segments: list[tuple[int, int, int]]) -> None:
+    """uses[s] = the first use over `segments` of each slot s of `entries` (slots; map positions where `slot_at`
+    is given, their slots found there) that passes `test` against its kept use, in place."""
+    entries = _ids(entries)
+    seg = torch.tensor(segments, dtype=torch.int64).reshape(-1, 3).t().contiguous()
+    at = 0 if slot_at is None else _ptr(slot_at)
+    c.cemb_slide_pass(_ptr(words), words.shape[1], _ptr(pos), _ptr(uses), at, _ptr(entries), entries.numel(),
+                      int(slot_at is not None), test, lo, _ptr(seg[0]), _ptr(seg[1]), _ptr(seg[2]), seg.shape[1])
+
+
+def changed(c, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Indices where two int64 host tensors of one shape differ (ascending)."""
+    a, b = _ids(a), _ids(b)
+    out = torch.empty(a.numel(), dtype=torch.int64)
+    return out[: c.cemb_changed(_ptr(a), _ptr(b), a.numel(), _ptr(out))]

@@ -132,13 +132,16 @@ class NextUseTracker:
             yield position // 64, position % 64, position % 64 + run, batch
             batch += run
 
+    def _masks(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(word, bit mask, batch of bit 0) per segment of [lo, hi), in batch order: the C loops' form."""
+        return [(word, _signed(((1 << (hi_bit - lo_bit)) - 1) << lo_bit), first_batch - lo_bit)
+                for word, lo_bit, hi_bit, first_batch in self._segments(lo, hi)]
+
     def _first_in(self, pos: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """First batch in [lo, hi) whose bit is set in the words at map positions `pos`, -1: none."""
         c = host_map.lib()
         if c is not None:
-            return host_map.first_in(c, self.map.words, pos, [
-                (word, _signed(((1 << (hi_bit - lo_bit)) - 1) << lo_bit), first_batch - lo_bit)
-                for word, lo_bit, hi_bit, first_batch in self._segments(lo, hi)])
+            return host_map.first_in(c, self.map.words, pos, self._masks(lo, hi))
         rows = self.map.words.index_select(0, pos)
         value = base = None  # per id: the bits of the first segment that has any, and the batch of its bit 0
         for word, lo_bit, hi_bit, first_batch in self._segments(lo, hi):
@@ -179,9 +182,10 @@ class NextUseTracker:
         ids = ids.reshape(-1).to(torch.int64)
         live = ids >= 0
         kept_ids, kept_pos, layout = self._slots
+        c = host_map.lib()
         if kept_ids.shape == ids.shape and layout == self.map.relayouts:
             pos = kept_pos.clone()
-            changed = nonzero_1d(ids != kept_ids)
+            changed = host_map.changed(c, ids, kept_ids) if c is not None else nonzero_1d(ids != kept_ids)
             old = kept_pos.index_select(0, changed)
             old = old[old != self.map.none]
             self._fill(self.map.pinned, old, False)
@@ -234,6 +238,18 @@ class NextUseTracker:
         if SLIDE_SHARE * (changed.numel() + sum(self.ring[b][0].numel() for b in moved)) > uses.numel():
             return None  # about as much work as finding every slot's first use
         slot_at = self._slot_at
+        c = host_map.lib()
+        if c is not None:  # the same passes in C, one per batch, no index tensors built
+            words, now_range = self.map.words, self._masks(lo, hi)
+            host_map.slide_pass(c, words, pos, uses, None, changed, host_map.ALWAYS, lo, now_range)
+            for batch in range(last_lo, lo):
+                host_map.slide_pass(c, words, pos, uses, slot_at, self.ring_entry(batch)[1], host_map.LEFT_RANGE,
+                                    lo, now_range)
+            entered = self._masks(last_hi, hi)
+            for batch in range(last_hi, hi):
+                host_map.slide_pass(c, words, pos, uses, slot_at, self.ring_entry(batch)[1], host_map.NONE_YET,
+                                    lo, entered)
+            return uses
         again = [changed]
         for batch in range(last_lo, lo):
             s = slot_at.index_select(0, self.ring_entry(batch)[1])
