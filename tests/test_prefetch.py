@@ -196,3 +196,21 @@ def test_prefetch_targets_are_the_ids_the_forward_looks_up():
     padded = cachedemb.CachedEmbeddingBag(100, 4, cache_rows=10, device="cpu", padding_idx=3)
     (_, got), = padded.prefetch_targets({"input": torch.tensor([3, 4, 3, 150])})
     assert got.tolist() == [4]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_window_protection_count_is_kept_in_step_with_the_mask(depth):
+    """Where counts are on the host the protected count moves by each window's slots (O(window)) instead of being
+    recounted over the cache: at every batch it equals the mask's count, and the mask is exactly the current
+    window's resident slots (plus the next window's, planned ahead with overlap)."""
+    batches = zipf_batches(500, 30, bags=6, bag_len=5, seed=4)
+    emb = make(cache_rows=120)
+    for ids, offsets in cachedemb.prefetch(batches, [emb], depth=depth, horizon=8, overlap=True):
+        cache = emb.cache
+        c = cache.capacity
+        assert int(cache._n_protected) == int(cache.protected[:c].sum())
+        expected = torch.zeros(c + 1, dtype=torch.bool)
+        for loc in cache._windows:
+            expected[cache._resident_or_dump(loc)] = True
+        assert torch.equal(cache.protected[:c], expected[:c])
+        emb(ids, offsets).sum().backward()

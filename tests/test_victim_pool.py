@@ -295,3 +295,45 @@ def test_rows_dropped_by_a_host_tier_join_the_pool_with_the_full_rankings_victim
     for a, b in zip(pooled[:4], ranked[:4]):
         assert torch.equal(a, b)
     assert pooled[5] < ranked[5]  # fewer full rankings
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlap"])
+def test_window_slots_above_the_bound_leave_the_pool(overlap, monkeypatch):
+    """One-batch prefetch windows (depth 1): each window's slots join the pool when their protection comes off,
+    and those that score above the bound (rows used again soon) leave it at the next served choice. The pool
+    stays within its ranking's size plus one window's slots and is rarely ranked again; training equals training
+    without prefetch (the pool stays exact)."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    p = np.arange(1, 20001, dtype=np.float64) ** -1.05
+    p /= p.sum()
+    # a cache large against a batch's misses, so the pool (about 9 batches of victims) is a part of it
+    batches = [(torch.from_numpy(rng.choice(20000, 900, p=p)), torch.arange(0, 900, 6)) for _ in range(40)]
+
+    def make():
+        torch.manual_seed(0)
+        return cachedemb.CachedEmbeddingBag(20000, 4, mode="sum", cache_rows=6000, device="cpu",
+                                            optimizer=optim.SGD(lr=0.1))
+
+    plain = make()
+    for ids, offsets in batches:
+        plain(ids, offsets).sum().backward()
+    emb = make()
+    seen, real_choose = [], VictimPool.choose
+
+    def choose(self, *args, **kwargs):
+        if self.policy is not None:
+            seen.append((self.slots.numel(), self.ranked_size))
+        return real_choose(self, *args, **kwargs)
+
+    monkeypatch.setattr(VictimPool, "choose", choose)
+    windows = 0
+    for ids, offsets in cachedemb.prefetch(batches, [emb], depth=1, horizon=8, overlap=overlap):
+        emb(ids, offsets).sum().backward()
+        windows += 1
+    assert torch.equal(emb.weight, plain.weight)
+    largest_window = max(int(torch.unique(ids).numel()) for ids, _ in batches)
+    assert len(seen) > 20
+    assert all(size <= ranked + largest_window for size, ranked in seen), seen
+    assert emb.cache.victim_pool.rankings < windows // 4
