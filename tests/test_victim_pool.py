@@ -11,6 +11,7 @@ import cachedemb
 from cachedemb import optim
 from cachedemb.kernels import PROTECTED, victim_select_torch
 from cachedemb.cache.policy import POLICIES, SlotView
+from cachedemb.cache import pool_native
 from cachedemb.cache.victim_pool import VictimPool
 from conftest import skip_triton_on_cpu_without_interpreter
 
@@ -297,14 +298,17 @@ def test_rows_dropped_by_a_host_tier_join_the_pool_with_the_full_rankings_victim
     assert pooled[5] < ranked[5]  # fewer full rankings
 
 
+@pytest.mark.parametrize("union", ["c", "torch"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlap"])
-def test_window_slots_above_the_bound_leave_the_pool(overlap, monkeypatch):
+def test_window_slots_above_the_bound_leave_the_pool(overlap, union, monkeypatch):
     """One-batch prefetch windows (depth 1): each window's slots join the pool when their protection comes off,
     and those that score above the bound (rows used again soon) leave it at the next served choice. The pool
     stays within its ranking's size plus one window's slots and is rarely ranked again; training equals training
     without prefetch (the pool stays exact)."""
     import numpy as np
 
+    if union == "torch":
+        monkeypatch.setattr(pool_native, "enabled", False)
     rng = np.random.default_rng(3)
     p = np.arange(1, 20001, dtype=np.float64) ** -1.05
     p /= p.sum()
@@ -337,3 +341,25 @@ def test_window_slots_above_the_bound_leave_the_pool(overlap, monkeypatch):
     assert len(seen) > 20
     assert all(size <= ranked + largest_window for size, ranked in seen), seen
     assert emb.cache.victim_pool.rankings < windows // 4
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pool_union_in_c_is_the_set_union(seed):
+    """pool_native.union: the pool, then the new in-range slots not in it, each once (a window's slots may repeat
+    across the windows joined at once, and host locations lie outside [0, C)); the mark is left all False."""
+    if pool_native.union(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), 1,
+                         torch.zeros(1, dtype=torch.bool)) is None:
+        pytest.skip("no C compiler: the torch union runs")
+    g = torch.Generator().manual_seed(seed)
+    C = 500
+    pool = torch.randperm(C, generator=g)[: int(torch.randint(0, C, (1,), generator=g))]
+    slots = torch.randint(-3, C + 3, (int(torch.randint(0, 2 * C, (1,), generator=g)),), generator=g)
+    mark = torch.zeros(C, dtype=torch.bool)
+    got = pool_native.union(pool, slots, C, mark)
+    assert got[: pool.numel()].tolist() == pool.tolist()
+    expected = set(pool.tolist()) | {s for s in slots.tolist() if 0 <= s < C}
+    assert len(got) == len(set(got.tolist())) == len(expected) and set(got.tolist()) == expected
+    first = [s for i, s in enumerate(slots.tolist()) if 0 <= s < C and s not in set(pool.tolist())
+             and s not in slots.tolist()[:i]]
+    assert got[pool.numel():].tolist() == first
+    assert not mark.any()

@@ -999,7 +999,7 @@ class EmbeddingCache:
         self.victim_pool.to(device)
 
     def victim_pool_bytes(self) -> int:
-        """Bytes of the victim pool's candidates and bound, and the window's protected count."""
+        """Bytes of the victim pool's candidates, bound and union mark, and the window's protected count."""
         return sum(t.numel() * t.element_size() for t in self.victim_pool.tensors() + [self._n_protected])
 
     def row_bytes(self) -> int:

@@ -33,6 +33,7 @@ import torch
 from cachedemb.kernels.host_nonzero import nonzero_1d
 from cachedemb import kernels
 from cachedemb.kernels import PROTECTED
+from cachedemb.cache import pool_native
 from cachedemb.cache.miss_estimate import MissEstimate
 from cachedemb.cache.policy import is_monotone
 
@@ -60,6 +61,7 @@ class VictimPool:
         self.device_slots = self.device_score = None  # [C] int64 each, from the first device-side choice
         self.device_policy = None  # the policy the device pool was ranked with; None: stale
         self.device_bound = 0  # host bound on n_pool: the largest target a ranking since the last reset had
+        self._mark = None  # [C] bool, all False between unions (`include`)
 
     def invalidate(self) -> None:
         self.policy = None
@@ -75,19 +77,24 @@ class VictimPool:
         if not exact:
             self.invalidate()
             return
-        # A set union as a mask over the slots: O(cache) elementwise, not a sort of pool + window (a sort of
-        # ~400k slots took 15 ms on CPU, more than the step it served); the same sorted slots come out.
-        member = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
-        member.index_fill_(0, self.slots, True)
-        member.index_fill_(0, slots[(slots >= 0) & (slots < self.capacity)], True)
-        merged = nonzero_1d(member)
+        if self._mark is None or self._mark.device != self.device:
+            self._mark = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
+        merged = pool_native.union(self.slots, slots, self.capacity, self._mark)  # O(pool + slots), in C
+        if merged is None:
+            # A set union as a mask over the slots: O(cache) elementwise, not a sort of pool + window (a sort of
+            # ~400k slots took 15 ms on CPU, more than the step it served); sorted slots come out.
+            member = self._mark.clone()
+            member.index_fill_(0, self.slots, True)
+            member.index_fill_(0, slots[(slots >= 0) & (slots < self.capacity)], True)
+            merged = nonzero_1d(member)
         if merged.numel() > 2 * self.ranked_size:  # re-scoring it would cost more than a ranking saves
             self.invalidate()
             return
-        self.slots = merged
+        # a pool of every slot is arange(C) (`choose` scores the whole view then, indexed by slot)
+        self.slots = torch.arange(self.capacity, device=self.device) if merged.numel() == self.capacity else merged
 
     def tensors(self):
-        extra = [t for t in (self.device_slots, self.device_score) if t is not None]
+        extra = [t for t in (self.device_slots, self.device_score, self._mark) if t is not None]
         return [self.slots, self.bound, self.state] + extra
 
     def to(self, device) -> None:
@@ -95,7 +102,7 @@ class VictimPool:
         self.slots, self.bound = self.slots.to(self.device), self.bound.to(self.device)
         self.state = self.state.to(self.device)
         self.ranked = self.state[2:3]
-        self.device_slots = self.device_score = None
+        self.device_slots = self.device_score = self._mark = None
         self.misses = MissEstimate(self.device)
         self.invalidate()
 

@@ -180,11 +180,10 @@ class NextUseTracker:
         compares and copies."""
         lo, hi = self._range(now, horizon)
         ids = ids.reshape(-1).to(torch.int64)
-        live = ids >= 0
         kept_ids, kept_pos, layout = self._slots
         c = host_map.lib()
         if kept_ids.shape == ids.shape and layout == self.map.relayouts:
-            pos = kept_pos.clone()
+            pos = kept_pos  # updated in place at the changed slots (kept only by this tracker)
             changed = host_map.changed(c, ids, kept_ids) if c is not None else nonzero_1d(ids != kept_ids)
             old = kept_pos.index_select(0, changed)
             old = old[old != self.map.none]
@@ -195,7 +194,7 @@ class NextUseTracker:
             self.map.pinned.zero_()
             pos = torch.full_like(ids, self.map.none)
             changed = torch.arange(ids.numel())
-        again = changed[live.index_select(0, changed)]
+        again = changed[ids.index_select(0, changed) >= 0]
         pos.index_fill_(0, changed, self.map.none)
         if again.numel():
             layout = self.map.relayouts
