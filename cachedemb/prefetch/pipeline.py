@@ -1,6 +1,7 @@
 """`Prefetcher`: the training thread's side of the pipeline (stages, threads and hazards: the package docstring)."""
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -324,6 +325,11 @@ class Prefetcher:
             if self.source_error is not None:
                 raise self.source_error
         finally:
+            if sys.is_finalizing():
+                # A loop left open until the interpreter exits, collected during its teardown: the worker threads
+                # were stopped at exit (read_ahead's atexit hook), and allocating tensors here, in the middle of
+                # the garbage collector's last pass, aborts the process. Nothing of the windows outlives it.
+                return
             if self.worker is not None:
                 self.worker.close()
             for cache in self.caches or []:
