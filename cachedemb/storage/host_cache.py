@@ -26,6 +26,8 @@ import torch
 
 from cachedemb.kernels.host_sort import stable_sort
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
+from cachedemb.storage import record_copy
+from cachedemb.storage.record_copy import RecordFields
 from cachedemb.storage.row_index import RowIndex
 from cachedemb.storage.slab_victims import victim_keys
 from cachedemb.storage.table_file import IoTicket, TableFile
@@ -153,8 +155,15 @@ class HostRowCache:
         of waiting for the write and reading it back."""
         self.writes = [(w, r, t) for w, r, t in self.writes if not t.done()]
         cache, layout = self.cache, self.layout
+        fields = self._fields()
 
-        def land(records: torch.Tensor, at: torch.Tensor) -> None:  # disjoint slab rows `at`
+        def land(records: torch.Tensor, at: torch.Tensor, order: torch.Tensor | None = None) -> None:
+            """records[i] into slab row at[i] (at[order[i]] with `order`); the rows are disjoint."""
+            if fields is not None:  # one C pass, no GIL held (this runs on the reader threads too)
+                fields.land(records, at, order)
+                return
+            if order is not None:
+                at = at.index_select(0, order)
             cache.host_weight.index_copy_(0, at, layout.weight_view(records))
             for name in cache.host_states:
                 cache.host_states[name].index_copy_(0, at, layout.state_view(records, name))
@@ -174,9 +183,20 @@ class HostRowCache:
         if ids.size == 0:
             return
         dest = torch.from_numpy(rows)
-        self.loads.append(self.table.read(ids, sink=lambda records, order: land(records, dest.index_select(0, order))))
+        self.loads.append(self.table.read(ids, sink=lambda records, order: land(records, dest, order)))
         self.load_serial += 1
         self.row_load[rows] = self.load_serial
+
+    def _fields(self) -> RecordFields | None:
+        """The record <-> slab row copier for the slab's current tensors (rebuilt when the slab moves), or None
+        where the C pass does not apply (the torch code runs)."""
+        cache = self.cache
+        tensors = [cache.host_weight] + [cache.host_states[n] for n in sorted(cache.host_states)] + [cache.host_freq]
+        key = tuple((t.data_ptr(), tuple(t.shape)) for t in tensors)
+        if getattr(self, "_fields_key", None) != (key, record_copy.enabled):
+            self._fields_key = (key, record_copy.enabled)
+            self._record_fields = RecordFields.of(self.layout, cache.host_weight, cache.host_states, cache.host_freq)
+        return self._record_fields
 
     def fence(self, rows=None) -> None:
         """Wait until the rows being read into `rows` (default: every row) are in the slab: before the device
@@ -252,12 +272,16 @@ class HostRowCache:
             return
         rows = rows[np.argsort(self.row_id[rows], kind="stable")]
         cache = self.cache
+        fields = self._fields()
         for start in range(0, rows.size, WRITE_ROWS):
             part = rows[start: start + WRITE_ROWS]
             at = torch.from_numpy(part)
-            states = {name: s.index_select(0, at) for name, s in cache.host_states.items()}
-            records = self.layout.pack(cache.host_weight.index_select(0, at), states,
-                                       cache.host_freq.index_select(0, at))
+            if fields is not None:  # one C pass instead of a gather and a copy per field
+                records = fields.pack(at)
+            else:
+                states = {name: s.index_select(0, at) for name, s in cache.host_states.items()}
+                records = self.layout.pack(cache.host_weight.index_select(0, at), states,
+                                           cache.host_freq.index_select(0, at))
             ids = self.row_id[part]
             self.writes.append((ids, records, self.table.write(ids, records)))
             if len(self.writes) > 4:  # at most a few batches of records in flight
