@@ -198,11 +198,19 @@ def test_prefetch_targets_are_the_ids_the_forward_looks_up():
     assert got.tolist() == [4]
 
 
+@pytest.mark.parametrize("loops", ["c", "torch"])
 @pytest.mark.parametrize("depth", [1, 2])
-def test_window_protection_count_is_kept_in_step_with_the_mask(depth):
-    """Where counts are on the host the protected count moves by each window's slots (O(window)) instead of being
-    recounted over the cache: at every batch it equals the mask's count, and the mask is exactly the current
-    window's resident slots (plus the next window's, planned ahead with overlap)."""
+def test_window_protection_count_is_kept_in_step_with_the_mask(depth, loops, monkeypatch):
+    """Where counts are on the host the protected count moves by each window's slots (O(window), in C where a
+    compiler is at hand: place_native.set_protection) instead of being recounted over the cache: at every batch
+    it equals the mask's count, and the mask is exactly the current window's resident slots (plus the next
+    window's, planned ahead with overlap)."""
+    from cachedemb.cache import place_native
+
+    if loops == "torch":
+        monkeypatch.setattr(place_native, "enabled", False)
+    elif place_native.native() is None:
+        pytest.skip("no C compiler: the torch code runs")
     batches = zipf_batches(500, 30, bags=6, bag_len=5, seed=4)
     emb = make(cache_rows=120)
     for ids, offsets in cachedemb.prefetch(batches, [emb], depth=depth, horizon=8, overlap=True):

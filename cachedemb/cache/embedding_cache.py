@@ -528,7 +528,10 @@ class EmbeddingCache:
                 # O(windows), not O(cache): the other windows' slots join the pool, every window's protection
                 # comes off (the protected slots are theirs), then exactly this window's are protected and counted
                 self.victim_pool.include(torch.cat(others), True)
-                self.protected.index_fill_(0, self._resident_or_dump(torch.cat(self._windows)), False)
+                c = place_native.native()
+                for loc in self._windows:
+                    if c is None or place_native.set_protection(c, self.protected, loc, self.capacity, False) is None:
+                        self.protected.index_fill_(0, self._resident_or_dump(loc), False)
                 self._n_protected = torch.zeros(1, dtype=torch.int64, device=self.device)
             else:  # on a device, fewer launches: clear and recount the whole mask
                 self._drop_protection()
@@ -591,14 +594,17 @@ class EmbeddingCache:
         """Protect a window's slots (`loc`: its distinct ids' locations; host locations go to the dump element)
         and count the protected slots: where counts are on the host by adding the newly protected ones (O(window),
         not O(cache)); on a device by one sum over the mask (two launches instead of six)."""
-        slots = self._resident_or_dump(loc)
         if not counts_on_host(self.device):
-            self.protected.index_fill_(0, slots, True)
+            self.protected.index_fill_(0, self._resident_or_dump(loc), True)
             self._n_protected = self.protected[: self.capacity].sum().reshape(1)
             return
-        newly = take(self.protected, slots).logical_not_() & (slots < self.capacity)
-        self.protected.index_fill_(0, slots, True)
-        self._n_protected = (self._n_protected + newly.sum()).reshape(1)
+        c = place_native.native()  # one C pass where a compiler is at hand, else the torch ops
+        newly = None if c is None else place_native.set_protection(c, self.protected, loc, self.capacity, True)
+        if newly is None:
+            slots = self._resident_or_dump(loc)
+            newly = (take(self.protected, slots).logical_not_() & (slots < self.capacity)).sum()
+            self.protected.index_fill_(0, slots, True)
+        self._n_protected = (self._n_protected + newly).reshape(1)
 
     def _slot_view(self, slots: torch.Tensor | None, protected: torch.Tensor) -> SlotView:
         """The policy's view of `slots` (None: all C slots) under the protection mask `protected` (of them)."""

@@ -123,3 +123,17 @@ int64_t cemb_count_uses(const int64_t *loc_u, const uint8_t *live, const int64_t
     for (int64_t j = 0; j < n_lookups; j++) lookups += inverse[j] >= 0;
     return lookups;
 }
+
+/* A window's protection: prot[slot] = value for the slot of each location (those outside [0, C), host-served,
+ * go to the dump element C, as _resident_or_dump sends them). Returns how many slots in [0, C) changed. */
+int64_t cemb_set_protection(uint8_t *prot, const int64_t *loc, int64_t n, int64_t C, int64_t value) {
+    int64_t changed = 0;
+    uint8_t v = value ? 1 : 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n && loc[i + AHEAD] >= 0 && loc[i + AHEAD] < C) __builtin_prefetch(&prot[loc[i + AHEAD]], 1, 0);
+        int64_t s = (loc[i] >= 0 && loc[i] < C) ? loc[i] : C;
+        changed += s < C && prot[s] != v;
+        prot[s] = v;
+    }
+    return changed;
+}

@@ -25,6 +25,7 @@ _C = CFunctions(Path(__file__).with_name("place_native.c"), {
     "cemb_place_commit": ([_P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64,
                            _P, _P, _P, _P, _P, _P, _P], None),
     "cemb_count_uses": ([_P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64], _I64),
+    "cemb_set_protection": ([_P, _P, _I64, _I64, _I64], _I64),
 })
 
 
@@ -117,3 +118,16 @@ def count_uses(c, loc_u, live, counts, inverse, dump: int, batch: int, slot_freq
         for t in (slot_freq, last_use, host_freq):
             _BUMP(t)
     return torch.tensor([lookups], dtype=torch.int64)
+
+
+def set_protection(c, protected: torch.Tensor, loc: torch.Tensor, capacity: int, value: bool) -> int | None:
+    """protected[slot of each loc] = value (host locations to the dump element `capacity`); how many resident
+    slots changed. None (nothing done) where the tensors are not the host-count path's."""
+    if protected.device.type != "cpu" or protected.dtype != torch.bool or not protected.is_contiguous() \
+            or protected.numel() < capacity + 1 or loc.device.type != "cpu":
+        return None
+    loc = loc.to(torch.int64).contiguous()
+    changed = c.cemb_set_protection(_p(protected), _p(loc), loc.numel(), capacity, int(value))
+    if _BUMP is not None:  # as the torch code's in-place index_fill_ does
+        _BUMP(protected)
+    return changed
