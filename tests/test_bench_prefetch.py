@@ -32,6 +32,7 @@ def test_pairs_every_configuration_and_the_tables_agree(tmp_path, capsys):
         assert r["tables_equal"], r
         assert r["steps"] == 6 and r["none"]["windows"] == 0
         assert set(r["prefetch_over_none"]) == {"step_ms", "step_ms_median", "thread_cpu_ms"}
+        assert r["paired_step_ratio_median"] > 0
         # the same batches: the same distinct ids looked up by both
         assert r["none"]["unique_lookups"] == r["prefetch"]["unique_lookups"] > 0
         assert "prepare" in r["none"]["stage_ms_per_batch"]
