@@ -32,7 +32,7 @@ def test_pairs_every_configuration_and_the_tables_agree(tmp_path, capsys):
         assert r["tables_equal"], r
         assert r["steps"] == 6 and r["none"]["windows"] == 0
         assert set(r["prefetch_over_none"]) == {"step_ms", "step_ms_median", "thread_cpu_ms"}
-        assert r["paired_step_ratio_median"] > 0
+        assert r["paired_ratio_median"] > 0
         # the same batches: the same distinct ids looked up by both
         assert r["none"]["unique_lookups"] == r["prefetch"]["unique_lookups"] > 0
         assert "prepare" in r["none"]["stage_ms_per_batch"]
@@ -52,3 +52,13 @@ def test_reports_launch_counts_with_and_without_prefetch():
     counts = bench.launch_counts(args)["per_step"]
     assert [c["prefetch"] for c in counts] == [None, {"depth": 2, "horizon": 4}]
     assert all(c["launches"] > 0 for c in counts) and counts[1]["host_pipeline_ops"] > 0
+
+
+def test_paired_ratio_is_taken_over_whole_windows():
+    """At depth d one step in d admits the window: the ratio is taken over runs of d steps, so a window's step is
+    never left out (a median of single steps would pick the steps without one)."""
+    bench = load_bench()
+    prefetch = [4.0, 1.0, 1.0, 1.0] * 5
+    none = [2.0] * 20
+    assert bench.paired_ratio_median(prefetch, none, 4) == 0.875
+    assert bench.paired_ratio_median(prefetch, none, 1) == 0.5
