@@ -11,7 +11,7 @@ import torch
 
 import cachedemb
 from cachedemb import optim
-from cachedemb.cache import place_native, score_native
+from cachedemb.cache import place_native, pool_native, score_native
 
 pytestmark = pytest.mark.skipif(place_native.native() is None, reason="no C compiler: the torch code runs")
 
@@ -103,6 +103,8 @@ def test_under_the_cuda_rules_no_c_loop_runs(monkeypatch):
         raise AssertionError("a C loop ran under the CUDA rules")
 
     monkeypatch.setattr(place_native, "find", refuse)
+    monkeypatch.setattr(place_native, "set_protection", refuse)
+    monkeypatch.setattr(pool_native, "union", refuse)
     monkeypatch.setattr(score_native, "score", refuse)
     monkeypatch.setattr(score_native, "next_use", refuse)
     torch.manual_seed(0)
