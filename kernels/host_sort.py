@@ -41,3 +41,12 @@ def stable_sort(keys: torch.Tensor, bounds: tuple[int, int] | None = None) -> tu
     if low:
         values += low
     return values.to(keys.dtype), perm
+
+
+def unique_of_sort(keys: torch.Tensor, perm: torch.Tensor, counts: bool = False):
+    """(ascending distinct keys, inverse[, counts]) from a stable sort's (sorted keys, permutation): runs by
+    `unique_consecutive`, each original position's index among the distinct keys scattered back through the
+    permutation. The answer of `torch.unique(..., return_inverse=True[, return_counts=True])`, without a sort."""
+    out = torch.unique_consecutive(keys, return_inverse=True, return_counts=counts)
+    inverse = torch.empty_like(out[1]).scatter_(0, perm, out[1])
+    return (out[0], inverse, out[2]) if counts else (out[0], inverse)

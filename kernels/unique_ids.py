@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import backend_for, gpu_shapes, on_device
-from .host_sort import stable_sort
+from .host_sort import stable_sort, unique_of_sort
 
 PAD_ID = -1
 
@@ -32,9 +32,8 @@ def unique_ids_torch(ids: torch.Tensor, padding_idx: int | None = None, return_g
         if sort is None:
             sort = stable_sort(ids, None if id_bound is None else (-1, max(int(id_bound) - 1, -1)))
         s_ids, s_perm = sort
-        uniq, s_inverse, counts = torch.unique_consecutive(s_ids, return_inverse=True, return_counts=True)
+        uniq, inverse, counts = unique_of_sort(s_ids, s_perm, counts=True)
         uniq = uniq.to(torch.int64)
-        inverse = torch.empty_like(s_inverse).scatter_(0, s_perm, s_inverse)
     else:
         uniq, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
     if padding_idx is not None:

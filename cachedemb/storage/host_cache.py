@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cachedemb.kernels.host_sort import stable_sort
+from cachedemb.kernels.host_sort import stable_sort, unique_of_sort
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.storage import record_copy
 from cachedemb.storage.record_copy import RecordFields
@@ -42,10 +42,7 @@ def distinct(ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     ids = ids.reshape(-1).to(torch.int64)
     if ids.numel() < 2:
         return ids.numpy().copy(), np.zeros(ids.numel(), dtype=np.int64)
-    keys, perm = stable_sort(ids)
-    uniq, inverse_sorted = torch.unique_consecutive(keys, return_inverse=True)
-    inverse = torch.empty_like(inverse_sorted)
-    inverse.index_copy_(0, perm, inverse_sorted)
+    uniq, inverse = unique_of_sort(*stable_sort(ids))
     return uniq.numpy(), inverse.numpy()
 
 
