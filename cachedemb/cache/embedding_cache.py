@@ -528,10 +528,8 @@ class EmbeddingCache:
                 # O(windows), not O(cache): the other windows' slots join the pool, every window's protection
                 # comes off (the protected slots are theirs), then exactly this window's are protected and counted
                 self.victim_pool.include(torch.cat(others), True)
-                c = place_native.native()
                 for loc in self._windows:
-                    if c is None or place_native.set_protection(c, self.protected, loc, self.capacity, False) is None:
-                        self.protected.index_fill_(0, self._resident_or_dump(loc), False)
+                    self._set_protection(loc, False)
                 self._n_protected = torch.zeros(1, dtype=torch.int64, device=self.device)
             else:  # on a device, fewer launches: clear and recount the whole mask
                 self._drop_protection()
@@ -598,13 +596,18 @@ class EmbeddingCache:
             self.protected.index_fill_(0, self._resident_or_dump(loc), True)
             self._n_protected = self.protected[: self.capacity].sum().reshape(1)
             return
-        c = place_native.native()  # one C pass where a compiler is at hand, else the torch ops
-        newly = None if c is None else place_native.set_protection(c, self.protected, loc, self.capacity, True)
-        if newly is None:
+        self._n_protected = (self._n_protected + self._set_protection(loc, True)).reshape(1)
+
+    def _set_protection(self, loc: torch.Tensor, value: bool):
+        """Set the protection of a window's slots (host locations: the dump element) where counts are on the
+        host; returns how many resident slots changed. One C pass where a compiler is at hand, else torch ops."""
+        c = place_native.native()
+        changed = None if c is None else place_native.set_protection(c, self.protected, loc, self.capacity, value)
+        if changed is None:
             slots = self._resident_or_dump(loc)
-            newly = (take(self.protected, slots).logical_not_() & (slots < self.capacity)).sum()
-            self.protected.index_fill_(0, slots, True)
-        self._n_protected = (self._n_protected + newly).reshape(1)
+            changed = ((take(self.protected, slots) != value) & (slots < self.capacity)).sum()
+            self.protected.index_fill_(0, slots, value)
+        return changed
 
     def _slot_view(self, slots: torch.Tensor | None, protected: torch.Tensor) -> SlotView:
         """The policy's view of `slots` (None: all C slots) under the protection mask `protected` (of them)."""
