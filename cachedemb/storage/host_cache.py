@@ -82,6 +82,7 @@ class HostRowCache:
         self.loads: list[IoTicket] = []  # loads not waited for, oldest first
         self.load_serial = 0  # loads issued so far; row_load[r]: the one that fills row r
         self.writes: list[tuple[np.ndarray, torch.Tensor, IoTicket]] = []  # (ids ascending, records, ticket)
+        self._fields_key, self._record_fields = None, None  # `_fields`: the slab tensors it was built for, it
         self.stats = dict.fromkeys(("hits", "misses", "evicted", "written_back", "from_writes", "staging_rows",
                                     "grown"), 0)
 
@@ -190,7 +191,7 @@ class HostRowCache:
         cache = self.cache
         tensors = [cache.host_weight] + [cache.host_states[n] for n in sorted(cache.host_states)] + [cache.host_freq]
         key = tuple((t.data_ptr(), tuple(t.shape)) for t in tensors)
-        if getattr(self, "_fields_key", None) != (key, record_copy.enabled):
+        if self._fields_key != (key, record_copy.enabled):
             self._fields_key = (key, record_copy.enabled)
             self._record_fields = RecordFields.of(self.layout, cache.host_weight, cache.host_states, cache.host_freq)
         return self._record_fields
