@@ -24,6 +24,19 @@ def _cache_dir() -> Path:
     return Path(base) / "cachedemb"
 
 
+def _digest(source: Path) -> str:
+    """The build's key: the source and the local headers it includes (`#include "x.h"`, beside it), so a changed
+    header builds anew."""
+    text = source.read_bytes()
+    h = hashlib.sha256(text)
+    for line in text.decode(errors="replace").splitlines():
+        line = line.strip()
+        if line.startswith("#include") and '"' in line:
+            header = source.with_name(line.split('"')[1])
+            h.update(header.read_bytes() if header.is_file() else b"")
+    return h.hexdigest()[:16]
+
+
 def load_c(source: Path) -> ctypes.CDLL | None:
     """The compiled library of a C file, or None (no compiler, Windows, the build failed, or disabled)."""
     source = Path(source)
@@ -33,7 +46,7 @@ def load_c(source: Path) -> ctypes.CDLL | None:
     if os.environ.get("CACHEDEMB_NATIVE", "1") != "0" and sys.platform != "win32" and source.is_file():
         cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
         if cc is not None:
-            digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+            digest = _digest(source)
             target = _cache_dir() / f"{source.stem}-{digest}-{sys.platform}.so"
             try:
                 if not target.is_file():

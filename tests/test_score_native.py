@@ -67,3 +67,34 @@ def test_the_c_kinds_are_the_slot_score_kernel_kinds():
     from cachedemb import kernels
 
     assert (kernels.SCORE_LFU, kernels.SCORE_LRU, kernels.SCORE_LOOKAHEAD) == (0, 1, 2)
+
+
+@pytest.mark.parametrize("policy", [lfu, lru, lookahead])
+def test_the_pools_c_rescoring_scores_as_the_policy(policy):
+    """pool_native.rescore shares the score with score_native.c (slot_score.h): the same scores past the caps."""
+    from cachedemb.cache import pool_native
+
+    c = 97
+    slot_ids, freq, last_use, next_use, protected = metadata(c, 2)
+    pool = torch.randperm(c)[:60]
+    got = pool_native.rescore(score_native.kind(policy), pool, torch.arange(c), c, slot_ids, freq, last_use,
+                              next_use, protected, 0, torch.zeros(c, dtype=torch.bool))
+    union = torch.cat([pool, torch.tensor(sorted(set(range(c)) - set(pool.tolist())), dtype=torch.int64)])
+    assert torch.equal(got.union, union)
+    view = SlotView(slot_ids[union], freq[union], last_use[union], next_use[union], protected[union], None, union, c)
+    assert torch.equal(got.score, policy(view))
+
+
+def test_a_changed_header_builds_the_c_file_anew(tmp_path):
+    """The build's key covers the local headers a C file includes, so an edited header is never served by a
+    library built from the old one."""
+    from cachedemb.kernels.native import _digest
+
+    (tmp_path / "x.h").write_text("#define X 1\n")
+    source = tmp_path / "x.c"
+    source.write_text('#include "x.h"\nint x(void) { return X; }\n')
+    before = _digest(source)
+    (tmp_path / "x.h").write_text("#define X 2\n")
+    assert _digest(source) != before
+    (tmp_path / "x.h").write_text("#define X 1\n")
+    assert _digest(source) == before

@@ -11,7 +11,7 @@ import cachedemb
 from cachedemb import optim
 from cachedemb.kernels import PROTECTED, victim_select_torch
 from cachedemb.cache.policy import POLICIES, SlotView
-from cachedemb.cache import pool_native
+from cachedemb.cache import pool_native, score_native
 from cachedemb.cache.victim_pool import VictimPool
 from conftest import skip_triton_on_cpu_without_interpreter
 
@@ -59,9 +59,25 @@ def brute_force(policy, slots: Slots, protected, n: int) -> list[int]:
     return [s for s in order if score[s] < PROTECTED][:n]
 
 
+def c_rescore(slots: Slots, protected):
+    """VictimPool.choose's `rescore` over `slots` under `protected`, as EmbeddingCache._rescore_pool gives it."""
+    def rescore(policy, pool, joined, bound, mark):
+        return pool_native.rescore(score_native.kind(policy), pool, joined, slots.C, slots.ids, slots.freq,
+                                   slots.last, slots.next, protected, bound, mark)
+    return rescore
+
+
 @pytest.mark.parametrize("policy_name", ["lfu", "lru", "lookahead"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_pool_victims_equal_the_full_ranking(policy_name, seed, sizing_mode, backend):
+@pytest.mark.parametrize("rescore", ["steps", "c"])
+def test_pool_victims_equal_the_full_ranking(policy_name, seed, rescore, sizing_mode, backend):
+    """Also when a window's protection comes off (its slots join the pool, their next uses moved on): the joined
+    slots are merged at the next choice, one by one or in the C re-scoring pass."""
+    if rescore == "c" and (sizing_mode != "exact" or backend == "triton"):
+        pytest.skip("the C re-scoring serves the exact path on CPU (no kernel of its own)")
+    if rescore == "c" and pool_native.union(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), 1,
+                                            torch.zeros(1, dtype=torch.bool)) is None:
+        pytest.skip("no C compiler")
     g = random.Random(seed)
     policy = POLICIES[policy_name]
     C = 97
@@ -80,6 +96,12 @@ def test_pool_victims_equal_the_full_ranking(policy_name, seed, sizing_mode, bac
             pool.invalidate()
         elif event < 0.2:  # protection only added: no invalidation needed
             slots.window[torch.tensor(g.sample(range(C), 5))] = True
+        elif event < 0.35 and slots.window.any():  # a window's protection off, its rows' next uses moved on
+            joined = slots.window.nonzero().squeeze(1)
+            slots.window.zero_()
+            slots.next[joined] = torch.tensor([g.choice([-1, g.randrange(64)]) for _ in range(joined.numel())])
+            # host locations and repeats, as windows give them
+            pool.include(torch.cat([joined, joined[:2], torch.tensor([-5, C])]), exact)
         hit = torch.tensor(g.sample(range(C), g.randrange(0, 8)), dtype=torch.int64)
         protected = slots.window.clone()
         protected[hit] = True
@@ -88,7 +110,8 @@ def test_pool_victims_equal_the_full_ranking(policy_name, seed, sizing_mode, bac
         k = n_miss if exact else 12  # sync-free: the static bound
         n_hit = hit.numel() if exact else 12
         victims = pool.choose(policy, slots.view, unprotect(policy, slots, protected), at(protected), k,
-                              torch.tensor([n_admit]), n_hit, exact)
+                              torch.tensor([n_admit]), n_hit, exact,
+                              rescore=c_rescore(slots, protected) if rescore == "c" else None)
         assert victims.numel() >= n_admit
         assert victims[:n_admit].tolist() == brute_force(policy, slots, protected, n_admit), step
         # Hits raise counts / last use; admitted rows take new ids and any count (the victims are pool slots).
@@ -327,8 +350,9 @@ def test_window_slots_above_the_bound_leave_the_pool(overlap, union, monkeypatch
     seen, real_choose = [], VictimPool.choose
 
     def choose(self, *args, **kwargs):
-        if self.policy is not None:
-            seen.append((self.slots.numel(), self.ranked_size))
+        if self.policy is not None:  # the pool with the slots that joined it since the last choice
+            seen.append((torch.unique(torch.cat([self.slots, *self.joined]).clamp(-1, 6000)).numel() - 1,
+                         self.ranked_size))
         return real_choose(self, *args, **kwargs)
 
     monkeypatch.setattr(VictimPool, "choose", choose)
@@ -363,3 +387,32 @@ def test_pool_union_in_c_is_the_set_union(seed):
              and s not in slots.tolist()[:i]]
     assert got[pool.numel():].tolist() == first
     assert not mark.any()
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2])
+@pytest.mark.parametrize("seed", range(3))
+def test_pool_rescore_in_c_is_the_union_scored_and_pruned(kind, seed):
+    """pool_native.rescore: the union of pool_native.union, each entry's policy score (the torch policy over the
+    view) under its slot's protection, the entries scoring <= bound or PROTECTED in union order, and how many
+    of them are not PROTECTED; the mark is left all False."""
+    g = random.Random(seed)
+    C = 400
+    slots = Slots(C, g)
+    policy = POLICIES[["lfu", "lru", "lookahead"][kind]]
+    if score_native.kind(policy) != kind:
+        pytest.skip("no C compiler")
+    protected = torch.rand(C + 1, generator=torch.Generator().manual_seed(seed)) < 0.2  # + the dump element
+    pool = torch.tensor(g.sample(range(C), 150), dtype=torch.int64)
+    joined = torch.tensor([g.randrange(-3, C + 3) for _ in range(200)], dtype=torch.int64)
+    scores = policy(slots.view(None, protected[:C]))
+    for bound in [int(scores.kthvalue(60).values), PROTECTED - 1, PROTECTED]:
+        mark = torch.zeros(C, dtype=torch.bool)
+        got = pool_native.rescore(kind, pool, joined, C, slots.ids, slots.freq, slots.last, slots.next, protected,
+                                  bound, mark)
+        union = pool_native.union(pool, joined, C, torch.zeros(C, dtype=torch.bool))
+        assert torch.equal(got.union, union)
+        assert torch.equal(got.score, policy(slots.view(union, protected[union])))
+        keep = (got.score <= bound) | (got.score == PROTECTED)
+        assert torch.equal(got.kept, union[keep]) and torch.equal(got.kept_score, got.score[keep])
+        assert got.n_valid == int(((got.score <= bound) & (got.score < PROTECTED)).sum())
+        assert not mark.any()

@@ -30,7 +30,7 @@ from cachedemb.cache.host_memory import host_empty, pinned_copy
 from cachedemb.kernels import PROTECTED, id_index
 from cachedemb.kernels.gather import take
 from cachedemb.cache.policy import Policy, SlotView, resolve, score_kernel
-from cachedemb.cache import device_place, place_native, score_native
+from cachedemb.cache import device_place, place_native, pool_native, score_native
 from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.victim_pool import VictimPool
 
@@ -640,6 +640,14 @@ class EmbeddingCache:
                 return score
         return policy(self._slot_view(slots, protected))
 
+    def _rescore_pool(self, policy: Policy, pool: torch.Tensor, joined: torch.Tensor, bound: int, mark: torch.Tensor):
+        """The victim pool's re-scoring in one C pass where `_score_slots` scores in C (VictimPool.choose's
+        `rescore`), else None."""
+        if not counts_on_host(self.device) or getattr(self, "table_starts", None) is not None:
+            return None
+        return pool_native.rescore(score_native.kind(policy), pool, joined, self.capacity, self.slot_ids,
+                                   self.slot_freq, self.slot_last_use, self.next_use, self.protected, bound, mark)
+
     def _place(self, uniq, n_uniq, policy: Policy, transfer: bool = True):
         """Find or admit each of the first n_uniq ids of `uniq`; returns (loc_u, live, n_hit, n_miss, move).
 
@@ -776,7 +784,7 @@ class EmbeddingCache:
         rank_start = time.perf_counter()
         victims = self.victim_pool.choose(policy, self._slot_view, unprotect_hits, protected, k,
                                           n_admit, self._on_host(n_hit, cap), early, self._score_all,
-                                          score_of=self._score_slots)
+                                          score_of=self._score_slots, rescore=self._rescore_pool)
         if not early:
             self.victim_pool.observe(n_miss)  # sizes the pool from misses that reached the host
         if self.victim_pool.rankings != ranked:

@@ -3,35 +3,13 @@
  * gathers), bit for bit. Entry i scores slot s = slots ? slots[i] : i from that slot's metadata; prot[i] is the
  * entry's protection. kind: kernels/slot_score.py's SCORE_LFU 0, SCORE_LRU 1, SCORE_LOOKAHEAD 2 (one table:
  * no table rank). */
-#include <stdint.h>
-
-#define TIER (((int64_t)1) << 32)
-#define PROTECTED INT64_MAX
-
-static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+#include "slot_score.h"
 
 void cemb_slot_score(int64_t kind, const int64_t *slots, int64_t n, int64_t C, const int64_t *slot_ids,
                      const int64_t *freq, const int64_t *last_use, const int64_t *next_use, const uint8_t *prot,
                      int64_t *out) {
-    for (int64_t i = 0; i < n; i++) {
-        int64_t s = slots ? slots[i] : i;
-        int64_t key;
-        if (kind == 0) {
-            key = min64(freq[s], 2 * TIER - 1);
-        } else if (kind == 1) {
-            key = min64(last_use[s], 2 * TIER - 1);
-        } else {
-            int64_t nu = next_use[s];
-            if (nu < 0) {
-                key = (int64_t)((uint64_t)min64(freq[s], (((int64_t)1) << 24) - 1) * 256u);
-            } else {
-                key = (2 * TIER - 1) - min64(nu, TIER - 1);
-            }
-        }
-        int64_t score = (int64_t)((uint64_t)key * (uint64_t)C + (uint64_t)s);
-        if (slot_ids[s] < 0) score = s - C;
-        out[i] = prot[i] ? PROTECTED : score;
-    }
+    for (int64_t i = 0; i < n; i++)
+        out[i] = cemb_slot_score_of(kind, slots ? slots[i] : i, C, slot_ids, freq, last_use, next_use, prot[i]);
 }
 
 /* The look-ahead's input from a read-ahead snapshot (EmbeddingCache._set_next_use): batches from `now` to each

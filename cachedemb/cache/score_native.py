@@ -29,6 +29,13 @@ def _native():
     return _C.get() if enabled else None
 
 
+def kind(policy) -> int | None:
+    """`policy`'s kind for the C passes (score_native.c, pool_native.c's re-scoring), or None: score with the policy
+    (a user's policy, or the C scores switched off)."""
+    kind = score_kernel(policy)
+    return kind if kind is not None and _native() is not None else None
+
+
 def score(policy, slots: torch.Tensor | None, protected: torch.Tensor, capacity: int, slot_ids: torch.Tensor,
           freq: torch.Tensor, last_use: torch.Tensor, next_use: torch.Tensor) -> torch.Tensor | None:
     """Scores of `slots` (None: all `capacity` slots) under per-entry `protected`, or None where the C loop does

@@ -62,28 +62,49 @@ class VictimPool:
         self.device_policy = None  # the policy the device pool was ranked with; None: stale
         self.device_bound = 0  # host bound on n_pool: the largest target a ranking since the last reset had
         self._mark = None  # [C] bool, all False between unions (`include`)
+        # exact path: slots that joined since the last choice (`include`), merged by it (or sooner, see `include`)
+        self.joined: list[torch.Tensor] = []
 
     def invalidate(self) -> None:
         self.policy = None
         self.device_policy = None
+        self.joined = []
 
     def include(self, slots: torch.Tensor, exact: bool) -> None:
         """Slots whose scores may have dropped (a prefetch window's protection taken off, its rows' next uses
         moved on) join the candidates, so every slot outside the pool still scores above `bound` and the pool
         stays exact without a full ranking. Under the CUDA rules (`exact` False: merging would need a sort
-        with a dynamic size) the pool is invalidated instead."""
+        with a dynamic size) the pool is invalidated instead. On the exact path they are kept aside until the
+        next choice merges them while it re-scores the pool (one pass, `choose`), or merged now where pool and
+        joiners together could outgrow what re-scoring pays for."""
         if self.policy is None or self.slots.numel() == self.capacity:
             return
         if not exact:
             self.invalidate()
             return
+        self.joined.append(slots)
+        if self.slots.numel() + sum(j.numel() for j in self.joined) > 2 * self.ranked_size:
+            self._merge()
+
+    def _marks(self) -> torch.Tensor:
         if self._mark is None or self._mark.device != self.device:
             self._mark = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
-        merged = pool_native.union(self.slots, slots, self.capacity, self._mark)  # O(pool + slots), in C
+        return self._mark
+
+    def _joined(self) -> torch.Tensor:
+        return self.joined[0] if len(self.joined) == 1 else torch.cat(self.joined)
+
+    def _merge(self) -> None:
+        """The joined slots into the pool (a set union); a pool grown past twice its ranking's size is dropped."""
+        if not self.joined:
+            return
+        slots = self._joined()
+        self.joined = []
+        merged = pool_native.union(self.slots, slots, self.capacity, self._marks())  # O(pool + slots), in C
         if merged is None:
             # A set union as a mask over the slots: O(cache) elementwise, not a sort of pool + window (a sort of
             # ~400k slots took 15 ms on CPU, more than the step it served); sorted slots come out.
-            member = self._mark.clone()
+            member = self._marks().clone()
             member.index_fill_(0, self.slots, True)
             member.index_fill_(0, slots[(slots >= 0) & (slots < self.capacity)], True)
             merged = nonzero_1d(member)
@@ -94,7 +115,7 @@ class VictimPool:
         self.slots = torch.arange(self.capacity, device=self.device) if merged.numel() == self.capacity else merged
 
     def tensors(self):
-        extra = [t for t in (self.device_slots, self.device_score, self._mark) if t is not None]
+        extra = [t for t in (self.device_slots, self.device_score, self._mark) if t is not None] + self.joined
         return [self.slots, self.bound, self.state] + extra
 
     def to(self, device) -> None:
@@ -103,6 +124,7 @@ class VictimPool:
         self.state = self.state.to(self.device)
         self.ranked = self.state[2:3]
         self.device_slots = self.device_score = self._mark = None
+        self.joined = []
         self.misses = MissEstimate(self.device)
         self.invalidate()
 
@@ -142,7 +164,8 @@ class VictimPool:
         return size, self.device_bound, stale
 
     def choose(self, policy, view_of, unprotect_hits, protected, k: int,
-               n_admit: torch.Tensor, n_hit: int, exact: bool, score_all=None, score_of=None) -> torch.Tensor:
+               n_admit: torch.Tensor, n_hit: int, exact: bool, score_all=None, score_of=None,
+               rescore=None) -> torch.Tensor:
         """The k lowest-scored slots under `protected(slots)` (window + this batch's hits, a bool per slot),
         lowest first; exactly the full ranking's first n_admit. `view_of(slots, protected)` builds a SlotView
         (slots None: all C); `unprotect_hits(score)` takes this batch's hit protection off full-view scores in
@@ -150,7 +173,10 @@ class VictimPool:
         the [1] flag `gate` reads 0 (default: the policy over view_of(None, protected)). With `exact` (counts on
         the host) fewer than k victims may come back, never fewer than n_admit; without, exactly k (those
         past n_admit are valid slots, not ranked). `score_of(policy, slots, protected)`, when given, scores the
-        pool instead of the policy over view_of(slots, protected) (the same scores, faster)."""
+        pool instead of the policy over view_of(slots, protected) (the same scores, faster).
+        `rescore(policy, pool, joined, bound, mark)`, when given, does the exact path's union with the joined
+        slots, scores, valid count and pruning in one pass (a `pool_native.Rescored`, or None: the steps one by
+        one)."""
         if score_of is None:
             def score_of(policy, slots, protected):
                 return policy(view_of(slots, protected))
@@ -163,8 +189,19 @@ class VictimPool:
             k1, size = self.sync_free_sizes(k)
         # Under the CUDA rules the pool keeps its ranking's sizes until more misses than it serves are seen, or
         # it is 2x or more larger than the recent misses need: then one ungated ranking resizes it.
-        usable = (is_monotone(policy) and policy is self.policy and self.slots.numel() > 0
+        usable = (is_monotone(policy) and policy is self.policy and (self.slots.numel() > 0 or bool(self.joined))
                   and (exact or (k1 <= self.k1 and 2 * size > self.slots.numel())))
+        if usable and exact and rescore is not None:
+            fused = rescore(policy, self.slots, self._joined() if self.joined else self.slots[:0], int(self.bound),
+                            self._marks())
+            if fused is not None:
+                self.joined = []
+                if fused.n_valid < int(n_admit):  # drained
+                    return self._rank(policy, score_all, unprotect_hits, protected, k, k1, size, exact)
+                return self._served(fused, k)
+        if self.joined:
+            self._merge()
+            usable = usable and policy is self.policy and self.slots.numel() > 0
         if usable:
             pool = self.slots
             # A pool of every slot is arange(C) (see _rank): score the whole view, no gathers by slot
@@ -192,6 +229,18 @@ class VictimPool:
                 return torch.where(drained, victims, from_pool)
         return self._rank(policy, score_all, unprotect_hits, protected, k, k1, size, exact)
 
+    def _served(self, fused, k: int) -> torch.Tensor:
+        """The k lowest of a re-scored pool (`rescore`), which becomes its kept entries. Where the k lowest are
+        all valid they are the kept entries' k lowest (every valid score is kept), a shorter selection."""
+        k = min(k, fused.union.numel())
+        if fused.union.numel() == self.capacity:  # every slot (as `include` leaves it): kept whole, unpruned
+            self.slots = torch.arange(self.capacity, device=self.device)
+            return fused.union[kernels.victim_select(fused.score, k, True)]
+        self.slots = fused.kept
+        if k <= fused.n_valid:
+            return fused.kept[kernels.victim_select(fused.kept_score, k, True)]
+        return fused.union[kernels.victim_select(fused.score, k, True)]
+
     def _prune(self, pool: torch.Tensor, score: torch.Tensor) -> None:
         """Drop the candidates that score above `bound` (exact path): a monotone score does not come back down
         while the slot keeps its id and protection, and whatever lowers it makes the slot join again (`include`)
@@ -208,6 +257,7 @@ class VictimPool:
         batch), and return this batch's k victims (its hits protected). With a `gate` ([1] bool) the results
         only count where it is set (the caller keeps them with torch.where) and the O(cache) work may be
         skipped where it is not."""
+        self.joined = []  # every slot is scored
         all_protected = protected(None)
         score = score_all(policy, all_protected, gate)
         unprotect_hits(score)
