@@ -61,9 +61,9 @@ def brute_force(policy, slots: Slots, protected, n: int) -> list[int]:
 
 def c_rescore(slots: Slots, protected):
     """VictimPool.choose's `rescore` over `slots` under `protected`, as EmbeddingCache._rescore_pool gives it."""
-    def rescore(policy, pool, joined, bound, mark):
+    def rescore(policy, pool, joined, bound, mark, scratch):
         return pool_native.rescore(score_native.kind(policy), pool, joined, slots.C, slots.ids, slots.freq,
-                                   slots.last, slots.next, protected, bound, mark)
+                                   slots.last, slots.next, protected, bound, mark, scratch)
     return rescore
 
 

@@ -640,13 +640,15 @@ class EmbeddingCache:
                 return score
         return policy(self._slot_view(slots, protected))
 
-    def _rescore_pool(self, policy: Policy, pool: torch.Tensor, joined: torch.Tensor, bound: int, mark: torch.Tensor):
+    def _rescore_pool(self, policy: Policy, pool: torch.Tensor, joined: torch.Tensor, bound: int, mark: torch.Tensor,
+                      scratch: torch.Tensor):
         """The victim pool's re-scoring in one C pass where `_score_slots` scores in C (VictimPool.choose's
         `rescore`), else None."""
         if not counts_on_host(self.device) or getattr(self, "table_starts", None) is not None:
             return None
         return pool_native.rescore(score_native.kind(policy), pool, joined, self.capacity, self.slot_ids,
-                                   self.slot_freq, self.slot_last_use, self.next_use, self.protected, bound, mark)
+                                   self.slot_freq, self.slot_last_use, self.next_use, self.protected, bound, mark,
+                                   scratch)
 
     def _place(self, uniq, n_uniq, policy: Policy, transfer: bool = True):
         """Find or admit each of the first n_uniq ids of `uniq`; returns (loc_u, live, n_hit, n_miss, move).

@@ -52,10 +52,13 @@ class Rescored(NamedTuple):
 
 def rescore(kind: int, pool: torch.Tensor, joined: torch.Tensor, capacity: int, slot_ids: torch.Tensor,
             freq: torch.Tensor, last_use: torch.Tensor, next_use: torch.Tensor, protected: torch.Tensor, bound: int,
-            mark: torch.Tensor) -> Rescored | None:
+            mark: torch.Tensor, scratch: torch.Tensor | None = None) -> Rescored | None:
     """The pool (distinct slots in [0, capacity)) joined by `joined` (slots in [0, capacity) count, each once),
     scored under a built-in policy `kind` (kernels/slot_score.py) and `protected` (a bool per slot), and pruned
-    against `bound`. None where the C pass does not apply."""
+    against `bound`. None where the C pass does not apply. `scratch`: an int64 [4, >= len(pool) + len(joined)]
+    buffer for the union and scores (views of it come back, valid until its next use; the kept entries are
+    copies): a caller re-scoring every batch keeps one instead of faulting in megabytes of fresh pages each
+    time."""
     c = _C.get() if enabled else None
     if c is None or kind is None:
         return None
@@ -69,11 +72,14 @@ def rescore(kind: int, pool: torch.Tensor, joined: torch.Tensor, capacity: int, 
         return None
     pool, joined = pool.to(torch.int64), joined.to(torch.int64)
     n = pool.numel() + joined.numel()
-    union, score, kept, kept_score = torch.empty(4, n, dtype=torch.int64)
+    if scratch is None or scratch.dtype != torch.int64 or scratch.dim() != 2 or scratch.shape[0] != 4 \
+            or scratch.shape[1] < n or not scratch.is_contiguous() or scratch.device.type != "cpu":
+        scratch = torch.empty(4, n, dtype=torch.int64)
+    union, score, kept, kept_score = scratch
     counts = torch.zeros(3, dtype=torch.int64)
     c.cemb_pool_rescore(kind, pool.data_ptr(), pool.numel(), joined.data_ptr(), joined.numel(), capacity,
                         slot_ids.data_ptr(), freq.data_ptr(), last_use.data_ptr(), next_use.data_ptr(),
                         protected.data_ptr(), bound, mark.data_ptr(), union.data_ptr(), score.data_ptr(),
                         kept.data_ptr(), kept_score.data_ptr(), counts.data_ptr())
     n_union, n_kept, n_valid = counts.tolist()
-    return Rescored(union[:n_union], score[:n_union], kept[:n_kept], kept_score[:n_kept], n_valid)
+    return Rescored(union[:n_union], score[:n_union], kept[:n_kept].clone(), kept_score[:n_kept], n_valid)

@@ -64,6 +64,7 @@ class VictimPool:
         self._mark = None  # [C] bool, all False between unions (`include`)
         # exact path: slots that joined since the last choice (`include`), merged by it (or sooner, see `include`)
         self.joined: list[torch.Tensor] = []
+        self._rescore_scratch = None  # [4, n] int64 for `rescore` (union, scores, kept entries and their scores)
 
     def invalidate(self) -> None:
         self.policy = None
@@ -91,6 +92,11 @@ class VictimPool:
             self._mark = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
         return self._mark
 
+    def _scratch(self, n: int) -> torch.Tensor:
+        if self._rescore_scratch is None or self._rescore_scratch.shape[1] < n:
+            self._rescore_scratch = torch.empty(4, max(n, self.capacity // 4), dtype=torch.int64)
+        return self._rescore_scratch
+
     def _joined(self) -> torch.Tensor:
         return self.joined[0] if len(self.joined) == 1 else torch.cat(self.joined)
 
@@ -115,7 +121,8 @@ class VictimPool:
         self.slots = torch.arange(self.capacity, device=self.device) if merged.numel() == self.capacity else merged
 
     def tensors(self):
-        extra = [t for t in (self.device_slots, self.device_score, self._mark) if t is not None] + self.joined
+        extra = [t for t in (self.device_slots, self.device_score, self._mark, self._rescore_scratch)
+                 if t is not None] + self.joined
         return [self.slots, self.bound, self.state] + extra
 
     def to(self, device) -> None:
@@ -123,7 +130,7 @@ class VictimPool:
         self.slots, self.bound = self.slots.to(self.device), self.bound.to(self.device)
         self.state = self.state.to(self.device)
         self.ranked = self.state[2:3]
-        self.device_slots = self.device_score = self._mark = None
+        self.device_slots = self.device_score = self._mark = self._rescore_scratch = None
         self.joined = []
         self.misses = MissEstimate(self.device)
         self.invalidate()
@@ -174,9 +181,9 @@ class VictimPool:
         the host) fewer than k victims may come back, never fewer than n_admit; without, exactly k (those
         past n_admit are valid slots, not ranked). `score_of(policy, slots, protected)`, when given, scores the
         pool instead of the policy over view_of(slots, protected) (the same scores, faster).
-        `rescore(policy, pool, joined, bound, mark)`, when given, does the exact path's union with the joined
-        slots, scores, valid count and pruning in one pass (a `pool_native.Rescored`, or None: the steps one by
-        one)."""
+        `rescore(policy, pool, joined, bound, mark, scratch)`, when given, does the exact path's union with the
+        joined slots, scores, valid count and pruning in one pass (a `pool_native.Rescored`, or None: the steps
+        one by one); a pool of every slot is scored as a whole instead (no union, no gathers by slot)."""
         if score_of is None:
             def score_of(policy, slots, protected):
                 return policy(view_of(slots, protected))
@@ -191,9 +198,10 @@ class VictimPool:
         # it is 2x or more larger than the recent misses need: then one ungated ranking resizes it.
         usable = (is_monotone(policy) and policy is self.policy and (self.slots.numel() > 0 or bool(self.joined))
                   and (exact or (k1 <= self.k1 and 2 * size > self.slots.numel())))
-        if usable and exact and rescore is not None:
-            fused = rescore(policy, self.slots, self._joined() if self.joined else self.slots[:0], int(self.bound),
-                            self._marks())
+        if usable and exact and rescore is not None and self.slots.numel() < self.capacity:
+            joined = self._joined() if self.joined else self.slots[:0]
+            fused = rescore(policy, self.slots, joined, int(self.bound), self._marks(),
+                            self._scratch(self.slots.numel() + joined.numel()))
             if fused is not None:
                 self.joined = []
                 if fused.n_valid < int(n_admit):  # drained
@@ -234,6 +242,7 @@ class VictimPool:
         all valid they are the kept entries' k lowest (every valid score is kept), a shorter selection."""
         k = min(k, fused.union.numel())
         if fused.union.numel() == self.capacity:  # every slot (as `include` leaves it): kept whole, unpruned
+            # (the union and scores are views of the scratch: select before anything reuses it)
             self.slots = torch.arange(self.capacity, device=self.device)
             return fused.union[kernels.victim_select(fused.score, k, True)]
         self.slots = fused.kept
