@@ -416,3 +416,23 @@ def test_pool_rescore_in_c_is_the_union_scored_and_pruned(kind, seed):
         assert torch.equal(got.kept, union[keep]) and torch.equal(got.kept_score, got.score[keep])
         assert got.n_valid == int(((got.score <= bound) & (got.score < PROTECTED)).sum())
         assert not mark.any()
+
+
+def test_where_counts_are_on_the_host_the_pool_keeps_two_batches_or_every_slot():
+    """The host path's pool: a batch's k victims past its hits plus two more batches of k (re-scoring a larger
+    pool each batch cost more than the rankings it saved); past a third of the cache, every slot (scored in
+    order, not gathered). The victims stay the brute force's either way."""
+    g = random.Random(11)
+    C = 900
+    slots = Slots(C, g)
+    pool = VictimPool(C, "cpu")  # the cache's default (8 batches under the CUDA rules)
+    protected = torch.zeros(C, dtype=torch.bool)
+    hit = torch.tensor(g.sample(range(C), 20))
+    protected[hit] = True
+    for k, size in [(30, 20 + 30 + 2 * 30), (100, C)]:
+        pool.invalidate()
+        victims = pool.choose(POLICIES["lfu"], slots.view, unprotect(POLICIES["lfu"], slots, protected),
+                              at(protected), k, torch.tensor([k]), 20, True)
+        assert victims[:k].tolist() == brute_force(POLICIES["lfu"], slots, protected, k)
+        assert pool.slots.numel() == size
+    assert torch.equal(pool.slots, torch.arange(C))  # 20 + 100 + 200 > C / 3: every slot

@@ -37,7 +37,15 @@ from cachedemb.cache import pool_native
 from cachedemb.cache.miss_estimate import MissEstimate
 from cachedemb.cache.policy import is_monotone
 
-POOL_BATCHES = 8  # the pool holds about this many batches' worth of victims
+POOL_BATCHES = 8  # the pool holds about this many batches' worth of victims (under the CUDA rules: ~10, see below)
+# Where counts are on the host, fewer: re-scoring the pool every batch costs ~20 ns a slot (random gathers), a full
+# ranking ~35 ns a cache slot once per drain. At a 400k-slot cache with one-batch prefetch windows (~12k victims a
+# window) 8 batches kept ~130k valid candidates and cost 6.4 ms a choice, 2 batches 3.4 ms (rankings 1 -> 2 in 45
+# windows); the per-batch path 2.3 -> 1.6 ms.
+HOST_POOL_BATCHES = 2
+# A pool of over 1/WHOLE_SHARE of the cache is every slot (where counts are on the host): scoring the whole view in
+# order beats gathering that many slots by index (4-batch windows at a 5% cache: 8 ms a choice whole, 11 pooled).
+WHOLE_SHARE = 3
 
 
 class VictimPool:
@@ -136,8 +144,9 @@ class VictimPool:
         self.invalidate()
 
     def pool_size(self, k: int, n_hit: int) -> int:
-        """P: this batch's k victims past its n_hit protected hits, plus `batches` more batches of k."""
-        return min(self.capacity, k + n_hit + self.batches * k)
+        """P where counts are on the host: this batch's k victims past its n_hit protected hits, plus `batches`
+        (at most HOST_POOL_BATCHES) more batches of k."""
+        return min(self.capacity, k + n_hit + min(self.batches, HOST_POOL_BATCHES) * k)
 
     def observe(self, n_miss: torch.Tensor) -> None:
         """This batch's miss count ([1], on the device), for sizing the pool without a host read."""
@@ -271,7 +280,7 @@ class VictimPool:
         score = score_all(policy, all_protected, gate)
         unprotect_hits(score)
         self.ranked_size = size
-        if size < self.capacity:
+        if size < self.capacity and not (exact and WHOLE_SHARE * size >= self.capacity):
             self.slots = kernels.victim_select(score, size, exact, gate=gate)  # ascending score
             self.bound = score[self.slots[-1:]]
         else:  # every slot is a candidate (no order needed): nothing outside to stay below
