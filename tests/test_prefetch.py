@@ -222,3 +222,46 @@ def test_window_protection_count_is_kept_in_step_with_the_mask(depth, loops, mon
             expected[cache._resident_or_dump(loc)] = True
         assert torch.equal(cache.protected[:c], expected[:c])
         emb(ids, offsets).sum().backward()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "torch"])
+def test_a_snapshots_next_uses_are_taken_as_they_are_only_while_no_slot_changed(native, monkeypatch):
+    """A window's next uses come from a slot-id snapshot taken one window earlier. While no slot changed since
+    (the cache's slot epoch), the read-ahead's tensor is the policy's input as it is (no O(cache) pass on the
+    training thread); after a batch admitted rows, the slots whose id changed count as unused, as before."""
+    from cachedemb.cache import score_native
+    from cachedemb.cache.embedding_cache import SlotNextUse
+    from cachedemb.cache.sync_mode import counts_on_host
+
+    monkeypatch.setattr(score_native, "enabled", native)
+    emb = cachedemb.CachedEmbeddingBag(100, 4, mode="sum", cache_rows=10, device="cpu", optimizer=optim.SGD(lr=0.1))
+    emb(torch.arange(10), torch.tensor([0])).sum().backward()
+    cache = emb.cache
+    ids, _ = cache.snapshot_slot_ids()
+    uses = torch.tensor([-1, 0, 1, 2, 3, -1, 4, 5, 6, 7])
+    same = SlotNextUse(ids, uses.clone(), now=3, epoch=cache.slot_epoch)
+    cache._set_next_use(same, 3)
+    if counts_on_host(cache.device):  # under the CUDA rules the device's op sequence runs every time
+        assert cache.next_use is same.uses
+    assert torch.equal(cache.next_use, uses)
+    emb(torch.arange(50, 55), torch.tensor([0])).sum().backward()  # five slots take other ids
+    moved = SlotNextUse(ids, uses.clone(), now=3, epoch=same.epoch)
+    cache._set_next_use(moved, 3)
+    kept = cache.slot_ids[:10] == ids
+    assert int((~kept).sum()) == 5
+    assert torch.equal(cache.next_use, torch.where(kept, uses, torch.full_like(uses, -1)))
+    with pytest.raises(ValueError, match="batch 4"):
+        cache._set_next_use(SlotNextUse(ids, uses.clone(), now=3, epoch=cache.slot_epoch), 4)
+
+
+def test_slot_uses_relative_are_the_first_uses_counted_from_now():
+    g = np.random.default_rng(2)
+    tracker = NextUseTracker(None, span=16)
+    for b in range(12):
+        tracker.enter(b, torch.from_numpy(np.unique(g.integers(0, 40, 15))))
+    slots = torch.from_numpy(g.integers(-1, 45, 30))
+    for now in [2, 3, 5]:  # moved on between calls, as windows do
+        absolute = NextUseTracker.slot_uses(tracker, slots, now, 6)
+        relative = tracker.slot_uses(slots, now, 6, relative=True)
+        assert torch.equal(relative, torch.where(absolute >= 0, absolute - now, torch.full_like(absolute, -1)))
+        assert (absolute[absolute >= 0] >= now).all() and bool((absolute >= 0).any())

@@ -78,12 +78,16 @@ class RowMove:
 
 @dataclass
 class SlotNextUse:
-    """The next known use (absolute batch number, -1 for none) of the id each of the C slots held when `ids`
-    was taken: the look-ahead policy's input, computed off the training thread from a snapshot. A slot whose id
-    changed since counts as having no known use."""
+    """Batches from `now` to the next known use (-1 for none) of the id each of the C slots held when `ids` was
+    taken: the look-ahead policy's input, computed off the training thread from a snapshot. A slot whose id
+    changed since counts as having no known use. `epoch`: the cache's `slot_epoch` at the snapshot; where no
+    slot can have changed since (counts on the host), the uses are taken as they are, with no O(cache) pass on
+    the training thread (the owner hands over a tensor it no longer writes)."""
 
     ids: torch.Tensor  # [C] slot ids at the snapshot
-    uses: torch.Tensor  # [C]
+    uses: torch.Tensor  # [C] batches from `now`
+    now: int
+    epoch: int | None = None
 
 
 @dataclass
@@ -139,6 +143,7 @@ class EmbeddingCache:
         self.maybe_dirty = False  # host-side: set when rows are marked dirty, cleared by flush / reload
         self.generation = 0
         self.batch_counter = 0
+        self.slot_epoch = 0  # moves on wherever slot ids may change (a snapshot's next uses stay valid while equal)
         self._allocate(self.capacity)
         self.stats = torch.zeros(len(STAT_NAMES), dtype=torch.int64, device=self.device)
         self.stat_index = _STAT  # name -> position in `stats`, for kernels that add to them
@@ -378,6 +383,7 @@ class EmbeddingCache:
         """prepare under the CUDA rules: a fixed sequence of fused launches (cachedemb/cache/device_place.py).
         `admit=False`: the prefetch pipeline's batch inside its admitted window, all hits: lookup and commit only
         (a miss there, should the ids differ from those read ahead, is served from the host: still exact)."""
+        self.slot_epoch += 1
         sizes, bufs = device_place.batch(self, self.policy, ids.numel(), with_unique=True, admit=admit)
         uniq, inverse, counts, n_uniq, groups = device_place.unique(self, ids, padding_idx, bufs)
         loc_u, _, _, move = device_place.place_batch(self, uniq, n_uniq, self.policy, bufs, sizes, counts=counts,
@@ -450,18 +456,26 @@ class EmbeddingCache:
         return WindowPlan(loc_u, move)
 
     def _set_next_use(self, next_use: SlotNextUse, now: int) -> None:
-        """The policy's `next_use` (batches from `now` to each slot's next use, -1 for none) from a snapshot:
-        O(cache) elementwise, once per window; a slot whose id changed since the snapshot counts as unused."""
+        """The policy's `next_use` (batches from `now` to each slot's next use, -1 for none) from a snapshot: as
+        it is where no slot changed since (counts on the host), else O(cache) elementwise, once per window (a
+        slot whose id changed since the snapshot counts as unused)."""
+        if next_use.now != now:
+            raise ValueError(f"next uses counted from batch {next_use.now} given for a window at batch {now}")
         c = self.capacity
+        host = counts_on_host(self.device)
+        if host and next_use.epoch == self.slot_epoch and next_use.uses.device == self.device \
+                and next_use.uses.shape == (c,) and next_use.uses.dtype == torch.int64:
+            self.next_use = next_use.uses
+            return
         ids = next_use.ids.to(self.device, non_blocking=True)
         uses = next_use.uses.to(self.device, non_blocking=True)
         # C on the host-count path only: under the CUDA rules the CPU run stands for the device's op sequence
-        fast = score_native.next_use(self.slot_ids, ids, uses, now) if counts_on_host(self.device) else None
+        fast = score_native.next_use(self.slot_ids, ids, uses, 0) if host else None
         if fast is not None:
             self.next_use = fast
         else:
-            known = (self.slot_ids[:c] == ids) & (uses >= now)
-            self.next_use = torch.where(known, uses - now, torch.full_like(uses, -1))
+            known = (self.slot_ids[:c] == ids) & (uses >= 0)
+            self.next_use = torch.where(known, uses, torch.full_like(uses, -1))
         # Only rows used since the last refresh have a later next use now (a lower score): the last windows'
         # rows, which joined the pool when their protection came off. Every other score stays or rises.
         if not counts_on_host(self.device):
@@ -469,7 +483,8 @@ class EmbeddingCache:
 
     def snapshot_slot_ids(self):
         """(host copy of the slot ids, CUDA event after which it is complete, or None): taken without blocking,
-        in stream order, for next uses computed off the training thread."""
+        in stream order, for next uses computed off the training thread (`slot_epoch` then says whether they
+        changed since)."""
         ids = self.slot_ids[: self.capacity]
         if self.device.type != "cuda":
             return ids.clone(), None
@@ -657,6 +672,7 @@ class EmbeddingCache:
         the host (loc = HOST_LOC - id). With `transfer=False` the row copies are returned (`move`) instead of
         done; the slot metadata is updated either way. Under the CUDA rules this is cachedemb/cache/device_place.py's
         fixed launch sequence (the same victims in the same order)."""
+        self.slot_epoch += 1
         if not self._early_exit():
             sizes, bufs = device_place.batch(self, policy, uniq.numel(), with_unique=False)
             loc_u, n_hit, n_miss, move = device_place.place_batch(self, uniq, n_uniq, policy, bufs, sizes)
@@ -835,6 +851,7 @@ class EmbeddingCache:
         Spill rows are dropped, so a batch planned before this can no longer run its backward."""
         self.settle()
         self.generation += 1
+        self.slot_epoch += 1
         slots = torch.arange(self.capacity, device=self.device)
         ids = self.slot_ids[: self.capacity]
         self.slot_ids[self.capacity:] = -1
@@ -879,6 +896,7 @@ class EmbeddingCache:
         """Before the host rows `ids` are given to other ids by their owner (a host tier in front): write the
         resident copies back (rows and state if dirty, counts always) and empty their slots. O(len(ids))."""
         self.settle()
+        self.slot_epoch += 1
         ids = ids.to(device=self.device, dtype=torch.int64)
         if ids.numel() == 0:
             return
@@ -956,6 +974,7 @@ class EmbeddingCache:
         slots = torch.arange(ids.numel(), device=self.device)
         self._fill(ids, slots, ids.numel())
         self.slot_ids[: ids.numel()] = ids
+        self.slot_epoch += 1
         self.victim_pool.invalidate()
         self._rebuild_index()
         self._live_index = "hash"
@@ -1002,6 +1021,7 @@ class EmbeddingCache:
         if device == self.device:
             return
         self.flush()
+        self.slot_epoch += 1
         if device.type == "cuda" and not self.host_weight.is_pinned():
             self.host_weight = pinned_copy(self.host_weight)
             self.host_states = {k: pinned_copy(v) for k, v in self.host_states.items()}

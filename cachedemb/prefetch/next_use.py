@@ -172,12 +172,13 @@ class NextUseTracker:
         out.index_copy_(0, at, self._first_in(pos.index_select(0, at), lo, hi))
         return out
 
-    def slot_uses(self, ids: torch.Tensor, now: int, horizon: int) -> torch.Tensor:
+    def slot_uses(self, ids: torch.Tensor, now: int, horizon: int, relative: bool = False) -> torch.Tensor:
         """`first_use` for a cache's slot ids (-1: empty slot). Their map positions are pinned and kept between
         calls (an absent id is added with no uses; later batches set its bits there), so a call finds only the
         ids of slots that changed since the last one, and moves the last answer on (`_slide`): O(changed + the
         ids of the batches that left or entered the range) probes and gathers, plus O(slots) elementwise
-        compares and copies."""
+        compares and copies. `relative`: as batches from `now` (-1: none), what the policy takes. Either way a
+        tensor of the caller's."""
         lo, hi = self._range(now, horizon)
         ids = ids.reshape(-1).to(torch.int64)
         kept_ids, kept_pos, layout = self._slots
@@ -222,7 +223,9 @@ class NextUseTracker:
         if uses is None:
             uses = self._first_in(pos, lo, hi)
         self._uses = (lo, hi, uses)
-        return uses.clone()  # the caller's copy: the kept one is updated in place by the next call
+        if relative:  # a new tensor: the kept one is updated in place by the next call
+            return (uses - now).masked_fill_(uses < 0, -1)
+        return uses.clone()
 
     def _slide(self, pos: torch.Tensor, changed: torch.Tensor, lo: int, hi: int) -> torch.Tensor | None:
         """The last answer moved to [lo, hi) in O(changed slots + the distinct ids of the batches that left or

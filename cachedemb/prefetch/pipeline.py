@@ -85,7 +85,8 @@ class Prefetcher:
         self.window_batches: list[int] = []  # batches admitted per window start (0: per-batch path)
         self.current: tuple[WindowInfo, list] | None = None  # the window in use and its per-cache plans
         self.pending = None  # (start, count, plans, unions) of the next window, planned and in flight
-        self.next_uses: dict[int, tuple[list, Future]] = {}  # window start -> (snapshots, their next uses)
+        # window start -> (slot id snapshots, the caches' slot epochs then, their next uses)
+        self.next_uses: dict[int, tuple[list, list, Future]] = {}
         self.uniques: dict[int, Future] = {}  # batch -> its forward's unique ids, computed ahead
         self.streams: dict = {}
         self.copier: WindowCopier | None = None  # the host thread moving a CPU window's rows during compute
@@ -235,16 +236,17 @@ class Prefetcher:
         if self.total is not None and start >= self.total:
             return
         snapshots = [cache.snapshot_slot_ids() for cache in self.caches]
-        self.next_uses[start] = (snapshots, self.worker.submit_next_use(start, snapshots))
+        epochs = [cache.slot_epoch for cache in self.caches]
+        self.next_uses[start] = (snapshots, epochs, self.worker.submit_next_use(start, snapshots))
 
     def _next_use(self, start: int) -> list[SlotNextUse]:
         entry = self.next_uses.pop(start, None)
         if entry is None:  # no snapshot since the last planning (first window, or after per-batch batches)
             self._snapshot(start)
             entry = self.next_uses.pop(start)
-        snapshots, future = entry
+        snapshots, epochs, future = entry
         uses = self._wait(future)
-        return [SlotNextUse(ids, u) for (ids, _), u in zip(snapshots, uses)]
+        return [SlotNextUse(ids, u, start, epoch) for (ids, _), u, epoch in zip(snapshots, uses, epochs)]
 
     # ----------------------------------------------------------------- hand-off to the forward
     def _request_unique(self, offset: int) -> None:

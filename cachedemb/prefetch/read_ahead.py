@@ -174,7 +174,8 @@ class ReadAhead:
         return self.worker.submit(self._unique, number, ids, urgent=True)
 
     def submit_next_use(self, now: int, snapshots: list) -> Future:
-        """Next uses in [now, now + horizon) of the ids of each snapshot (host ids, CUDA event or None)."""
+        """Next uses in [now, now + horizon) of the ids of each snapshot (host ids, CUDA event or None), as
+        batches from `now` (-1: none), in tensors of the caller's."""
         return self.worker.submit(self._next_use, now, snapshots)
 
     def take_seconds(self) -> list[dict[str, float]]:
@@ -261,6 +262,6 @@ class ReadAhead:
             start = time.thread_time()
             if event is not None:
                 event.synchronize()
-            out.append(self.trackers[c].slot_uses(ids, now, self.horizon))
+            out.append(self.trackers[c].slot_uses(ids, now, self.horizon, relative=True))
             self._time(c, "prefetch_next_use_query", start)
         return out
