@@ -254,7 +254,11 @@ def test_a_snapshots_next_uses_are_taken_as_they_are_only_while_no_slot_changed(
         cache._set_next_use(SlotNextUse(ids, uses.clone(), now=3, epoch=cache.slot_epoch), 4)
 
 
-def test_slot_uses_relative_are_the_first_uses_counted_from_now():
+@pytest.mark.parametrize("native", [True, False], ids=["c", "torch"])
+def test_slot_uses_relative_are_the_first_uses_counted_from_now(native, monkeypatch):
+    from cachedemb.prefetch import host_map
+
+    monkeypatch.setattr(host_map, "enabled", native)
     g = np.random.default_rng(2)
     tracker = NextUseTracker(None, span=16)
     for b in range(12):

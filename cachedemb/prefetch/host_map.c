@@ -182,3 +182,8 @@ int64_t cemb_changed(const int64_t *a, const int64_t *b, int64_t n, int64_t *out
     }
     return count;
 }
+
+/* Batches from `now` to each first use (-1 stays -1): the policy's form of a slot_uses answer, in one pass. */
+void cemb_relative(const int64_t *uses, int64_t n, int64_t now, int64_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = uses[i] < 0 ? -1 : uses[i] - now;
+}

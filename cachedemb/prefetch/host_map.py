@@ -31,6 +31,7 @@ _C = CFunctions(Path(__file__).with_name("host_map.c"), {
     "cemb_track_slots": ([_P, _P, _P, _I64, _I64], _I64),
     "cemb_slide_pass": ([_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64], None),
     "cemb_changed": ([_P, _P, _I64, _P], _I64),
+    "cemb_relative": ([_P, _I64, _I64, _P], None),
 })
 
 
@@ -130,3 +131,11 @@ def changed(c, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a, b = _ids(a), _ids(b)
     out = torch.empty(a.numel(), dtype=torch.int64)
     return out[: c.cemb_changed(_ptr(a), _ptr(b), a.numel(), _ptr(out))]
+
+
+def relative(c, uses: torch.Tensor, now: int) -> torch.Tensor:
+    """uses - now where uses >= 0, else -1 (a new tensor)."""
+    uses = _ids(uses)
+    out = torch.empty(uses.numel(), dtype=torch.int64)
+    c.cemb_relative(_ptr(uses), uses.numel(), now, _ptr(out))
+    return out

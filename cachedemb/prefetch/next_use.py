@@ -224,7 +224,7 @@ class NextUseTracker:
             uses = self._first_in(pos, lo, hi)
         self._uses = (lo, hi, uses)
         if relative:  # a new tensor: the kept one is updated in place by the next call
-            return (uses - now).masked_fill_(uses < 0, -1)
+            return host_map.relative(c, uses, now) if c is not None else (uses - now).masked_fill_(uses < 0, -1)
         return uses.clone()
 
     def _slide(self, pos: torch.Tensor, changed: torch.Tensor, lo: int, hi: int) -> torch.Tensor | None:
