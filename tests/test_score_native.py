@@ -55,11 +55,10 @@ def test_c_next_uses_equal_the_torch_code():
     c = 200
     slot_ids = torch.randint(-1, 30, (c + 1,), generator=g)
     ids = torch.where(torch.rand(c, generator=g) < 0.8, slot_ids[:c], torch.randint(-1, 30, (c,), generator=g))
-    uses = torch.randint(0, 50, (c,), generator=g)
-    now = 17
-    known = (slot_ids[:c] == ids) & (uses >= now)
-    assert torch.equal(score_native.next_use(slot_ids, ids, uses, now),
-                       torch.where(known, uses - now, torch.full_like(uses, -1)))
+    uses = torch.randint(-1, 50, (c,), generator=g)  # batches to the next use, -1: none
+    known = (slot_ids[:c] == ids) & (uses >= 0)
+    assert torch.equal(score_native.next_use(slot_ids, ids, uses),
+                       torch.where(known, uses, torch.full_like(uses, -1)))
 
 
 def test_the_c_kinds_are_the_slot_score_kernel_kinds():

@@ -470,7 +470,7 @@ class EmbeddingCache:
         ids = next_use.ids.to(self.device, non_blocking=True)
         uses = next_use.uses.to(self.device, non_blocking=True)
         # C on the host-count path only: under the CUDA rules the CPU run stands for the device's op sequence
-        fast = score_native.next_use(self.slot_ids, ids, uses, 0) if host else None
+        fast = score_native.next_use(self.slot_ids, ids, uses) if host else None
         if fast is not None:
             self.next_use = fast
         else:

@@ -12,9 +12,9 @@ void cemb_slot_score(int64_t kind, const int64_t *slots, int64_t n, int64_t C, c
         out[i] = cemb_slot_score_of(kind, slots ? slots[i] : i, C, slot_ids, freq, last_use, next_use, prot[i]);
 }
 
-/* The look-ahead's input from a read-ahead snapshot (EmbeddingCache._set_next_use): batches from `now` to each
- * slot's next use, -1 where none is known or the slot's id changed since the snapshot. */
-void cemb_next_use(const int64_t *slot_ids, const int64_t *ids, const int64_t *uses, int64_t n, int64_t now,
-                   int64_t *out) {
-    for (int64_t s = 0; s < n; s++) out[s] = (slot_ids[s] == ids[s] && uses[s] >= now) ? uses[s] - now : -1;
+/* The look-ahead's input from a read-ahead snapshot (EmbeddingCache._set_next_use): each slot's batches to its
+ * next use (`uses`, counted from the window's start), -1 where none is known or the slot's id changed since the
+ * snapshot `ids`. */
+void cemb_next_use(const int64_t *slot_ids, const int64_t *ids, const int64_t *uses, int64_t n, int64_t *out) {
+    for (int64_t s = 0; s < n; s++) out[s] = (slot_ids[s] == ids[s] && uses[s] >= 0) ? uses[s] : -1;
 }

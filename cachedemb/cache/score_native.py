@@ -21,7 +21,7 @@ enabled = True  # False: the policy's torch code (tests switch it)
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 _C = CFunctions(Path(__file__).with_name("score_native.c"), {
     "cemb_slot_score": ([_I64, _P, _I64, _I64] + [_P] * 6, None),
-    "cemb_next_use": ([_P] * 3 + [_I64] * 2 + [_P], None),
+    "cemb_next_use": ([_P] * 3 + [_I64] + [_P], None),
 })
 
 
@@ -61,9 +61,9 @@ def score(policy, slots: torch.Tensor | None, protected: torch.Tensor, capacity:
     return out
 
 
-def next_use(slot_ids: torch.Tensor, ids: torch.Tensor, uses: torch.Tensor, now: int) -> torch.Tensor | None:
-    """Batches from `now` to each slot's next use (-1: none known, or the slot's id changed since the snapshot
-    `ids`), or None where the C loop does not apply."""
+def next_use(slot_ids: torch.Tensor, ids: torch.Tensor, uses: torch.Tensor) -> torch.Tensor | None:
+    """Each slot's batches to its next use as the snapshot `ids` had it (`uses`), -1 where none is known or the
+    slot's id changed since; None where the C loop does not apply."""
     c = _native()
     n = uses.numel()
     if c is None or any(t.device.type != "cpu" or t.dtype != torch.int64 for t in (slot_ids, ids, uses)):
@@ -72,5 +72,5 @@ def next_use(slot_ids: torch.Tensor, ids: torch.Tensor, uses: torch.Tensor, now:
     if ids.numel() != n or slot_ids.numel() != n:
         return None
     out = torch.empty(n, dtype=torch.int64)
-    c.cemb_next_use(slot_ids.data_ptr(), ids.data_ptr(), uses.data_ptr(), n, now, out.data_ptr())
+    c.cemb_next_use(slot_ids.data_ptr(), ids.data_ptr(), uses.data_ptr(), n, out.data_ptr())
     return out
