@@ -121,6 +121,40 @@ def test_file_size_stays_bounded_over_many_commits(tmp_path):
     t.close()
 
 
+def test_writes_on_several_writers_land_in_submission_order(tmp_path):
+    """Writes queued without waiting, on four writers, overlapping rows from batch to batch and
+    copying blocks on write after a commit: the file ends with each row's last write, and the committed
+    snapshot keeps what it had."""
+    h = header()
+    w, s, c = rows_of(0, h.num_rows)
+    t = TableFile.create(tmp_path / "t.cemb", h, lambda a, b: (w[a:b], {"sum": s[a:b]}, c[a:b]), write_threads=4)
+    assert len(t._writers) == 4
+    rng = np.random.default_rng(1)
+    expect = w.clone()
+    snapshot = None
+    for step in range(40):
+        ids = np.unique(rng.integers(0, N, 300))
+        values = torch.from_numpy(rng.standard_normal((ids.size, D)).astype(np.float32))
+        t.write(ids, t.layout.pack(values, {"sum": torch.ones(ids.size, 1)}, torch.full((ids.size,), step)))
+        expect[torch.from_numpy(ids)] = values
+        if step == 19:
+            seq = t.commit({"step": step})
+            snapshot = expect.clone()
+    t.drain()
+    assert torch.equal(table_rows(t), expect)
+    t.rollback(seq)
+    assert torch.equal(table_rows(t), snapshot)
+    t.close()
+
+
+def test_writer_threads_follow_the_cores(monkeypatch):
+    from cachedemb.storage import table_file
+    monkeypatch.setattr(table_file.os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
+    assert table_file.default_writers(4) == 1  # a 2-core box: one writer (more only take turns with training)
+    monkeypatch.setattr(table_file.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert table_file.default_writers(4) == 2 and table_file.default_writers(16) == 4
+
+
 def test_reopen_continues_from_the_newest_snapshot(tmp_path):
     path = tmp_path / "t.cemb"
     t = create(path)

@@ -91,6 +91,21 @@ def test_file_table_trains_as_in_memory(tmp_path, name, host_rows, cache_rows):
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_several_writer_threads_train_as_in_memory(tmp_path, name, monkeypatch):
+    """Write-backs spread over three writer threads (a many-core machine's default): still equal to in memory."""
+    from cachedemb.storage import table_file
+
+    monkeypatch.setattr(table_file, "default_writers", lambda io_threads: 3)
+    ref, ours = pair(tmp_path, SPECS[name], 30, 8, mode="sum")
+    assert len(ours.table._writers) == 3
+    for ids, offsets, psw, target in batches(seed=3):
+        assert torch.equal(step(ref, ids, offsets, psw, target), step(ours, ids, offsets, psw, target))
+    assert_same_table(ref, ours)
+    assert ours.cache_stats()["file"]["rows_written"] > 0
+    ours.close()
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
 def test_rows_reloaded_while_their_write_back_is_in_flight(tmp_path, name, monkeypatch):
     """A slow writer (a write takes two steps, or 0.2 s if the loop waits for it): rows evicted and needed again
     before their write lands are copied from the write's records (not waited for, not read back stale), and
@@ -101,10 +116,10 @@ def test_rows_reloaded_while_their_write_back_is_in_flight(tmp_path, name, monke
 
     real, turn = TableFile._write_task, threading.Semaphore(0)
 
-    def slow(self, ids, records):
+    def slow(self, ids, records, sel):
         turn.acquire(timeout=0.1)
         turn.acquire(timeout=0.1)
-        return real(self, ids, records)
+        return real(self, ids, records, sel)
 
     monkeypatch.setattr(TableFile, "_write_task", slow)
     ref, ours = pair(tmp_path, SPECS[name], 30, 8, mode="sum")
@@ -128,7 +143,7 @@ def test_a_row_in_two_writes_in_flight_is_reloaded_from_the_newest(tmp_path, mon
     ours.inner.cache.flush()
     row = int(np.flatnonzero(host.row_id >= 0)[0])
     gate, real = threading.Event(), TableFile._write_task
-    monkeypatch.setattr(TableFile, "_write_task", lambda self, i, r: (gate.wait(), real(self, i, r)))
+    monkeypatch.setattr(TableFile, "_write_task", lambda self, i, r, s: (gate.wait(), real(self, i, r, s)))
     try:
         for value in (1.0, 2.0):  # two write-backs of the row, both held back by the writer
             cache.host_weight[row] = value

@@ -2,9 +2,14 @@
 
 Reads and writes are batched and sorted by file offset; runs of adjacent records go in one pread / pwrite call
 (`rowio`: a loop in C under one GIL-free ctypes call, or `os.preadv` / `os.pwritev` in Python), and the calls run
-on worker threads: reads on `io_threads` workers, writes on one worker, in submission order. A chunk (the rows of one block) that a retained snapshot names is
-never written: its first write after a commit copies the block into a free one (`os.copy_file_range`, in the
-kernel: no table bytes through this process's memory), and the live chunk map points there from then on.
+on worker threads: reads on `io_threads` workers, writes on `write_threads` (default: one per four cores, at most
+`io_threads // 2`, at least one), each writer owning the chunks c = k mod writers, so every row's writes land in
+submission order. A written record costs ~1.5 us of kernel time (the page dirtied), so one writer caps the rows
+written per second; on a machine with few cores more writers only take turns with the training thread.
+
+A chunk (the rows of one block) that a retained snapshot names is never written: its first write after a commit
+copies the block into a free one (`os.copy_file_range`, in the kernel: no table bytes through this process's
+memory), and the live chunk map points there from then on.
 
 Commit (`commit`): wait for every read and write, `fdatasync`, write the live chunk map into free blocks,
 `fdatasync`, overwrite the superblock slot of the older retained snapshot, `fdatasync`. The file then retains
@@ -79,7 +84,8 @@ def _spans(offsets: np.ndarray, record: int) -> np.ndarray:
 class TableFile:
     """One table file open for reading or writing (see the module docstring)."""
 
-    def __init__(self, path: Path, fd: int, header: TableHeader, writable: bool, io_threads: int):
+    def __init__(self, path: Path, fd: int, header: TableHeader, writable: bool, io_threads: int,
+                 write_threads: int | None = None):
         self.path, self.fd, self.header, self.writable = path, fd, header, writable
         self.layout = header.layout
         self.record = self.layout.record_bytes
@@ -92,7 +98,11 @@ class TableFile:
         self.free: list[int] = []
         self._map_lock = threading.Lock()
         self._readers = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="cachedemb-read")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="cachedemb-write")
+        # One thread per writer: a writer's tasks run in submission order, and a chunk always goes to one writer.
+        self._writers = [ThreadPoolExecutor(1, thread_name_prefix="cachedemb-write")
+                         for _ in range(write_threads or default_writers(io_threads))]
+        self._alloc_lock = threading.Lock()  # block allocation and file growth (copy-on-write on several writers)
+        self._stats_lock = threading.Lock()
         self._pending: list[IoTicket] = []
         self.token = 0
         self.writer_died: WriterRecord | None = None
@@ -102,7 +112,8 @@ class TableFile:
 
     # ----------------------------------------------------------------- creation and opening
     @classmethod
-    def create(cls, path, header: TableHeader, fill: RowFill, io_threads: int = 4) -> "TableFile":
+    def create(cls, path, header: TableHeader, fill: RowFill, io_threads: int = 4,
+               write_threads: int | None = None) -> "TableFile":
         """Write a new table file at `path` (which must not exist), its rows from `fill` in chunks of blocks
         (never the whole table in memory), committed as snapshot 1; returned open for writing. The file is
         built under a temporary name and renamed into place, so a crash never leaves a partial `path`."""
@@ -114,7 +125,7 @@ class TableFile:
             raise FileNotFoundError(f"directory {str(path.parent)!r} of table file {str(path)!r} does not exist")
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.creating")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        table = cls(path, fd, header, True, io_threads)
+        table = cls(path, fd, header, True, io_threads, write_threads)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.pwrite(fd, header.encode(), 0)
@@ -150,7 +161,7 @@ class TableFile:
 
     @classmethod
     def open(cls, path, writable: bool = True, recover: bool = False, expect: TableHeader | None = None,
-             io_threads: int = 4) -> "TableFile":
+             io_threads: int = 4, write_threads: int | None = None) -> "TableFile":
         """Open an existing table file, checking its structure (and, with `expect`, that it holds that table).
         A file whose writer died raises TableWriterDiedError naming the last snapshot, unless `recover`: then
         it opens at that snapshot (the rows written after it are gone)."""
@@ -173,7 +184,7 @@ class TableFile:
             header = TableHeader.decode(os.pread(fd, PAGE, 0), path)
             if expect is not None:
                 _check_expected(path, header, expect)
-            table = cls(path, fd, header, writable, io_threads)
+            table = cls(path, fd, header, writable, io_threads, write_threads)
             table._load_snapshots(size)
             rec = WriterRecord.decode(os.pread(fd, PAGE, WRITER_OFFSET))
             if rec is None or rec.open:
@@ -372,21 +383,34 @@ class TableFile:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size > 1 and not (np.diff(ids) > 0).all():
             raise ValueError("table rows are written in ascending id order")
-        future = _submit(self._writer, self._write_task, ids, records)
+        n = len(self._writers)
+        if n == 1:
+            futures = [_submit(self._writers[0], self._write_task, ids, records, None)]
+        else:
+            owner = (ids // self.rpb) % n
+            futures = []
+            for k in range(n):
+                sel = np.flatnonzero(owner == k)
+                if sel.size:
+                    futures.append(_submit(self._writers[k], self._write_task, ids[sel], records,
+                                           torch.from_numpy(sel)))
         self.stats["rows_written"] += int(ids.size)
         self.stats["bytes_written"] += int(ids.size) * self.record
-        ticket = IoTicket([future])
+        ticket = IoTicket(futures)
         self._pending.append(ticket)
         return ticket
 
-    def _write_task(self, ids: np.ndarray, records: torch.Tensor) -> None:
+    def _write_task(self, ids: np.ndarray, records: torch.Tensor, sel: torch.Tensor | None) -> None:
+        """Write rows `ids` (records[sel], or all of `records`): chunks this writer owns."""
+        if sel is not None:
+            records = records.index_select(0, sel)
         chunks = np.unique(ids // self.rpb)
         shared = np.zeros(chunks.size, dtype=bool)
         live = self.live[chunks]
         for _, chunk_map in self.snapshots.values():
             shared |= chunk_map[chunks] == live
         for c, old in zip(chunks[shared].tolist(), live[shared].tolist()):
-            new = self._alloc()
+            new = self._reserve_block()
             self._copy_block(old, new)
             with self._map_lock:
                 self.live[c] = new
@@ -394,14 +418,22 @@ class TableFile:
         offsets = self.row_offsets(ids)
         spans = _spans(offsets, self.record)
         rowio.pwrite_spans(self.fd, offsets, spans, self.record, records.numpy())
-        self.stats["write_calls"] += int(spans.size - 1)
+        with self._stats_lock:
+            self.stats["write_calls"] += int(spans.size - 1)
+
+    def _reserve_block(self) -> int:
+        """A free block for a copy-on-write, the file grown to hold it (one writer at a time: growing by
+        `ftruncate` must never shrink a block another writer just reserved)."""
+        with self._alloc_lock:
+            block = self._alloc()
+            need = DATA_OFFSET + (block + 1) * self.block
+            if os.fstat(self.fd).st_size < need:
+                os.ftruncate(self.fd, need)
+            return block
 
     def _copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write of one block, inside the kernel where it can (no bytes through this process)."""
         a, b = DATA_OFFSET + src * self.block, DATA_OFFSET + dst * self.block
-        need = DATA_OFFSET + (dst + 1) * self.block
-        if os.fstat(self.fd).st_size < need:
-            os.ftruncate(self.fd, need)
         done = 0
         while done < self.block:
             try:
@@ -413,7 +445,8 @@ class TableFile:
                 self._pwrite_all(data, b + done)
                 n = len(data)
             done += n
-        self.stats["blocks_copied"] += 1
+        with self._stats_lock:
+            self.stats["blocks_copied"] += 1
 
     def _pwrite_all(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
@@ -466,7 +499,8 @@ class TableFile:
 
     def _shutdown(self) -> None:
         self._readers.shutdown(wait=True)
-        self._writer.shutdown(wait=True)
+        for writer in self._writers:
+            writer.shutdown(wait=True)
 
     def drop_page_cache(self) -> None:
         """Evict this file's pages from the OS page cache (benchmarks: cold reads). Dirty pages are synced."""
@@ -497,6 +531,15 @@ def iter_table_rows(table: TableFile, chunk_rows: int = 1 << 16):
         records = records.index_select(0, back)  # id order
         states = {name: layout.state_view(records, name) for name, _, _ in layout.state_cols}
         yield start, layout.weight_view(records), states, layout.count_view(records)
+
+
+def default_writers(io_threads: int) -> int:
+    """Writer threads: one per four cores this process may run on, at most io_threads // 2, at least one."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(io_threads // 2, cores // 4))
 
 
 def _submit(pool: ThreadPoolExecutor, fn, *args) -> Future:
