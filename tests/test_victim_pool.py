@@ -61,18 +61,23 @@ def brute_force(policy, slots: Slots, protected, n: int) -> list[int]:
 
 def c_rescore(slots: Slots, protected):
     """VictimPool.choose's `rescore` over `slots` under `protected`, as EmbeddingCache._rescore_pool gives it."""
-    def rescore(policy, pool, joined, bound, mark, scratch):
+    def rescore(policy, pool, joined, bound, mark, scratch, drop_protected=False):
         return pool_native.rescore(score_native.kind(policy), pool, joined, slots.C, slots.ids, slots.freq,
-                                   slots.last, slots.next, protected, bound, mark, scratch)
+                                   slots.last, slots.next, protected, bound, mark, scratch, drop_protected)
     return rescore
 
 
 @pytest.mark.parametrize("policy_name", ["lfu", "lru", "lookahead"])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("rescore", ["steps", "c"])
-def test_pool_victims_equal_the_full_ranking(policy_name, seed, rescore, sizing_mode, backend):
+@pytest.mark.parametrize("placement", ["batch", "window"])
+def test_pool_victims_equal_the_full_ranking(policy_name, seed, rescore, placement, sizing_mode, backend):
     """Also when a window's protection comes off (its slots join the pool, their next uses moved on): the joined
-    slots are merged at the next choice, one by one or in the C re-scoring pass."""
+    slots are merged at the next choice, one by one or in the C re-scoring pass. `window`: every choice places a
+    prefetch window, whose hits and admitted slots stay protected until the window's protection comes off, so
+    the pool drops its protected candidates (`drop_protected`)."""
+    if placement == "window" and (sizing_mode != "exact" or backend == "triton"):
+        pytest.skip("protected candidates are dropped on the exact path (counts on the host) only")
     if rescore == "c" and (sizing_mode != "exact" or backend == "triton"):
         pytest.skip("the C re-scoring serves the exact path on CPU (no kernel of its own)")
     if rescore == "c" and pool_native.union(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), 1,
@@ -109,11 +114,15 @@ def test_pool_victims_equal_the_full_ranking(policy_name, seed, rescore, sizing_
         n_admit = min(n_miss, int((~protected).sum()))
         k = n_miss if exact else 12  # sync-free: the static bound
         n_hit = hit.numel() if exact else 12
+        rankings = pool.rankings
         victims = pool.choose(policy, slots.view, unprotect(policy, slots, protected), at(protected), k,
                               torch.tensor([n_admit]), n_hit, exact,
-                              rescore=c_rescore(slots, protected) if rescore == "c" else None)
+                              rescore=c_rescore(slots, protected) if rescore == "c" else None,
+                              drop_protected=placement == "window")
         assert victims.numel() >= n_admit
         assert victims[:n_admit].tolist() == brute_force(policy, slots, protected, n_admit), step
+        if placement == "window" and pool.rankings == rankings and pool.slots.numel() < C:
+            assert not bool(protected[pool.slots].any()), step  # the re-scored pool kept no protected candidate
         # Hits raise counts / last use; admitted rows take new ids and any count (the victims are pool slots).
         slots.freq[hit] += torch.tensor([g.randrange(1, 4) for _ in range(hit.numel())], dtype=torch.int64)
         slots.last[hit] = step + 5
@@ -121,6 +130,9 @@ def test_pool_victims_equal_the_full_ranking(policy_name, seed, rescore, sizing_
         slots.ids[used] = torch.tensor([1000 + g.randrange(10**6) for _ in range(n_admit)], dtype=torch.int64)
         slots.freq[used] = torch.tensor([g.randrange(30) for _ in range(n_admit)], dtype=torch.int64)
         slots.last[used] = step + 5
+        if placement == "window":  # the window's slots stay protected until its protection comes off
+            slots.window[hit] = True
+            slots.window[used] = True
     if exact:  # the pool did the work for most batches: a full ranking only when it ran dry or was invalidated
         assert pool.rankings < steps // 2
 

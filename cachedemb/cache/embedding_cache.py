@@ -448,7 +448,7 @@ class EmbeddingCache:
             self._set_next_use(next_use, now)
             self.seconds["next_use_refresh"] += time.perf_counter() - refresh
         n_uniq = torch.full((1,), n, dtype=torch.int64, device=self.device)
-        loc_u, _, _, n_miss, move = self._place(uniq, n_uniq, policy, transfer=False)
+        loc_u, _, _, n_miss, move = self._place(uniq, n_uniq, policy, transfer=False, window=True)
         self.bump_stats(windows=torch.ones(1, dtype=torch.int64, device=self.device), window_rows_in=n_miss)
         self._protect(loc_u)
         self._windows.append(loc_u)
@@ -656,21 +656,22 @@ class EmbeddingCache:
         return policy(self._slot_view(slots, protected))
 
     def _rescore_pool(self, policy: Policy, pool: torch.Tensor, joined: torch.Tensor, bound: int, mark: torch.Tensor,
-                      scratch: torch.Tensor):
+                      scratch: torch.Tensor, drop_protected: bool = False):
         """The victim pool's re-scoring in one C pass where `_score_slots` scores in C (VictimPool.choose's
         `rescore`), else None."""
         if not counts_on_host(self.device) or getattr(self, "table_starts", None) is not None:
             return None
         return pool_native.rescore(score_native.kind(policy), pool, joined, self.capacity, self.slot_ids,
                                    self.slot_freq, self.slot_last_use, self.next_use, self.protected, bound, mark,
-                                   scratch)
+                                   scratch, drop_protected)
 
-    def _place(self, uniq, n_uniq, policy: Policy, transfer: bool = True):
+    def _place(self, uniq, n_uniq, policy: Policy, transfer: bool = True, window: bool = False):
         """Find or admit each of the first n_uniq ids of `uniq`; returns (loc_u, live, n_hit, n_miss, move).
 
         Protected slots and this set's hits are never victims; misses beyond the free slots are served from
         the host (loc = HOST_LOC - id). With `transfer=False` the row copies are returned (`move`) instead of
-        done; the slot metadata is updated either way. Under the CUDA rules this is cachedemb/cache/device_place.py's
+        done; the slot metadata is updated either way. `window`: a prefetch window's placement, whose slots (hits
+        included) are protected right after, so the victim pool may drop protected candidates. Under the CUDA rules this is cachedemb/cache/device_place.py's
         fixed launch sequence (the same victims in the same order)."""
         self.slot_epoch += 1
         if not self._early_exit():
@@ -686,7 +687,7 @@ class EmbeddingCache:
         id_slot = self._use_map()
         c = place_native.native() if dev.type == "cpu" else None
         if c is not None and place_native.fits(id_slot, self.protected, self.slot_ids, self.dirty, self.slot_last_use):
-            placed = self._place_native(c, uniq, n_uniq, policy, transfer, id_slot)
+            placed = self._place_native(c, uniq, n_uniq, policy, transfer, id_slot, window)
             if placed is not None:
                 return placed
         live = torch.arange(cap, device=dev) < n_uniq
@@ -705,7 +706,8 @@ class EmbeddingCache:
         self.protected.index_fill_(0, hit_slots, True)
         n_admit = torch.minimum(n_miss, n_free)
         miss_count = self._on_host(n_miss, cap)
-        victims = self._choose_victims(policy, cap, early, n_hit, n_miss, n_admit, hit_slots, was, lambda: newly)
+        victims = self._choose_victims(policy, cap, early, n_hit, n_miss, n_admit, hit_slots, was, lambda: newly,
+                                       window)
         self.protected.index_put_((hit_slots,), was)
 
         # Rank the misses; rank r < n_admit takes victim r, the rest are served from the host.
@@ -748,7 +750,7 @@ class EmbeddingCache:
             self.bump_stats(evictions=evicted, rows_out=written)
         return loc_u, live, n_hit, n_miss, move
 
-    def _place_native(self, c, uniq, n_uniq, policy: Policy, transfer: bool, id_slot):
+    def _place_native(self, c, uniq, n_uniq, policy: Policy, transfer: bool, id_slot, window: bool = False):
         """_place on the host-count path with its bookkeeping in C (cachedemb/cache/place_native.py): the same
         victims, writes and results as the torch code above; None (nothing changed) where an id lies outside the
         map, for the torch code to refuse."""
@@ -766,7 +768,8 @@ class EmbeddingCache:
         def newly():
             return (found.hit_slots < self.capacity) & found.was.logical_not()
 
-        victims = self._choose_victims(policy, cap, True, n_hit, n_miss, n_admit, found.hit_slots, found.was, newly)
+        victims = self._choose_victims(policy, cap, True, n_hit, n_miss, n_admit, found.hit_slots, found.was, newly,
+                                       window)
         loc_u, old_ids, dirty_ids, miss_ids, miss_dest, evicted, written = place_native.commit(
             c, found, self.protected, victims, admit, self.capacity, id_slot, self.slot_ids, self.dirty,
             self.slot_last_use, self.batch_counter)
@@ -780,7 +783,8 @@ class EmbeddingCache:
             self.bump_stats(evictions=torch.tensor([evicted]), rows_out=torch.tensor([written]))
         return loc_u, live, n_hit, n_miss, move
 
-    def _choose_victims(self, policy: Policy, cap: int, early: bool, n_hit, n_miss, n_admit, hit_slots, was, newly):
+    def _choose_victims(self, policy: Policy, cap: int, early: bool, n_hit, n_miss, n_admit, hit_slots, was, newly,
+                        window: bool = False):
         """This batch's victims (None without misses), its hits protected in `self.protected` meanwhile;
         `newly()` gives the hits whose protection is this batch's own ([cap] bool)."""
 
@@ -802,7 +806,8 @@ class EmbeddingCache:
         rank_start = time.perf_counter()
         victims = self.victim_pool.choose(policy, self._slot_view, unprotect_hits, protected, k,
                                           n_admit, self._on_host(n_hit, cap), early, self._score_all,
-                                          score_of=self._score_slots, rescore=self._rescore_pool)
+                                          score_of=self._score_slots, rescore=self._rescore_pool,
+                                          drop_protected=window and early)
         if not early:
             self.victim_pool.observe(n_miss)  # sizes the pool from misses that reached the host
         if self.victim_pool.rankings != ranked:

@@ -23,7 +23,7 @@ enabled = True  # False: the torch union (tests switch it)
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 _C = CFunctions(Path(__file__).with_name("pool_native.c"), {
     "cemb_pool_union": ([_P, _I64, _P, _I64, _I64, _P, _P], _I64),
-    "cemb_pool_rescore": ([_I64, _P, _I64, _P, _I64, _I64] + [_P] * 5 + [_I64] + [_P] * 6, None),
+    "cemb_pool_rescore": ([_I64, _P, _I64, _P, _I64, _I64] + [_P] * 5 + [_I64, _I64] + [_P] * 6, None),
 })
 
 
@@ -41,8 +41,8 @@ def union(pool: torch.Tensor, slots: torch.Tensor, capacity: int, mark: torch.Te
 
 
 class Rescored(NamedTuple):
-    """A choice's pool: the union's slots and scores, the entries that stay (score <= bound or PROTECTED) and their
-    scores, and how many of them are valid victims (score <= bound, not PROTECTED)."""
+    """A choice's pool: the union's slots and scores, the entries that stay (score <= bound, or PROTECTED unless
+    dropped) and their scores, and how many of them are valid victims (score <= bound, not PROTECTED)."""
     union: torch.Tensor
     score: torch.Tensor
     kept: torch.Tensor
@@ -52,13 +52,13 @@ class Rescored(NamedTuple):
 
 def rescore(kind: int, pool: torch.Tensor, joined: torch.Tensor, capacity: int, slot_ids: torch.Tensor,
             freq: torch.Tensor, last_use: torch.Tensor, next_use: torch.Tensor, protected: torch.Tensor, bound: int,
-            mark: torch.Tensor, scratch: torch.Tensor | None = None) -> Rescored | None:
+            mark: torch.Tensor, scratch: torch.Tensor | None = None, drop_protected: bool = False) -> Rescored | None:
     """The pool (distinct slots in [0, capacity)) joined by `joined` (slots in [0, capacity) count, each once),
     scored under a built-in policy `kind` (kernels/slot_score.py) and `protected` (a bool per slot), and pruned
     against `bound`. None where the C pass does not apply. `scratch`: an int64 [4, >= len(pool) + len(joined)]
     buffer for the union and scores (views of it come back, valid until its next use; the kept entries are
     copies): a caller re-scoring every batch keeps one instead of faulting in megabytes of fresh pages each
-    time."""
+    time. `drop_protected`: protected entries leave the pool (VictimPool.choose says when that stays exact)."""
     c = _C.get() if enabled else None
     if c is None or kind is None:
         return None
@@ -79,7 +79,8 @@ def rescore(kind: int, pool: torch.Tensor, joined: torch.Tensor, capacity: int, 
     counts = torch.zeros(3, dtype=torch.int64)
     c.cemb_pool_rescore(kind, pool.data_ptr(), pool.numel(), joined.data_ptr(), joined.numel(), capacity,
                         slot_ids.data_ptr(), freq.data_ptr(), last_use.data_ptr(), next_use.data_ptr(),
-                        protected.data_ptr(), bound, mark.data_ptr(), union.data_ptr(), score.data_ptr(),
+                        protected.data_ptr(), bound, int(drop_protected), mark.data_ptr(), union.data_ptr(),
+                        score.data_ptr(),
                         kept.data_ptr(), kept_score.data_ptr(), counts.data_ptr())
     n_union, n_kept, n_valid = counts.tolist()
     return Rescored(union[:n_union], score[:n_union], kept[:n_kept].clone(), kept_score[:n_kept], n_valid)

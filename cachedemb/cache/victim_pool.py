@@ -181,7 +181,7 @@ class VictimPool:
 
     def choose(self, policy, view_of, unprotect_hits, protected, k: int,
                n_admit: torch.Tensor, n_hit: int, exact: bool, score_all=None, score_of=None,
-               rescore=None) -> torch.Tensor:
+               rescore=None, drop_protected: bool = False) -> torch.Tensor:
         """The k lowest-scored slots under `protected(slots)` (window + this batch's hits, a bool per slot),
         lowest first; exactly the full ranking's first n_admit. `view_of(slots, protected)` builds a SlotView
         (slots None: all C); `unprotect_hits(score)` takes this batch's hit protection off full-view scores in
@@ -190,9 +190,12 @@ class VictimPool:
         the host) fewer than k victims may come back, never fewer than n_admit; without, exactly k (those
         past n_admit are valid slots, not ranked). `score_of(policy, slots, protected)`, when given, scores the
         pool instead of the policy over view_of(slots, protected) (the same scores, faster).
-        `rescore(policy, pool, joined, bound, mark, scratch)`, when given, does the exact path's union with the
-        joined slots, scores, valid count and pruning in one pass (a `pool_native.Rescored`, or None: the steps
-        one by one); a pool of every slot is scored as a whole instead (no union, no gathers by slot)."""
+        `rescore(policy, pool, joined, bound, mark, scratch, drop_protected)`, when given, does the exact path's
+        union with the joined slots, scores, valid count and pruning in one pass (a `pool_native.Rescored`, or
+        None: the steps one by one); a pool of every slot is scored as a whole instead (no union, no gathers by
+        slot). `drop_protected` (exact path): every slot protected now joins the pool again when its protection
+        comes off (a prefetch window's slots, this window's hits among them), so the pruning drops protected
+        entries too; the per-batch path keeps them (its hits' protection ends without a join)."""
         if score_of is None:
             def score_of(policy, slots, protected):
                 return policy(view_of(slots, protected))
@@ -210,7 +213,7 @@ class VictimPool:
         if usable and exact and rescore is not None and self.slots.numel() < self.capacity:
             joined = self._joined() if self.joined else self.slots[:0]
             fused = rescore(policy, self.slots, joined, int(self.bound), self._marks(),
-                            self._scratch(self.slots.numel() + joined.numel()))
+                            self._scratch(self.slots.numel() + joined.numel()), drop_protected)
             if fused is not None:
                 self.joined = []
                 if fused.n_valid < int(n_admit):  # drained
@@ -229,7 +232,7 @@ class VictimPool:
                 if int(n_valid) >= int(n_admit):
                     victims = pool[kernels.victim_select(score, min(k, pool.numel()), exact)]
                     if not whole:
-                        self._prune(pool, score)
+                        self._prune(pool, score, drop_protected)
                     return victims
             else:
                 # the pool's k1 lowest serve a batch admitting <= k1 while it holds enough scores <= its bound;
@@ -259,15 +262,19 @@ class VictimPool:
             return fused.kept[kernels.victim_select(fused.kept_score, k, True)]
         return fused.union[kernels.victim_select(fused.score, k, True)]
 
-    def _prune(self, pool: torch.Tensor, score: torch.Tensor) -> None:
+    def _prune(self, pool: torch.Tensor, score: torch.Tensor, drop_protected: bool = False) -> None:
         """Drop the candidates that score above `bound` (exact path): a monotone score does not come back down
         while the slot keeps its id and protection, and whatever lowers it makes the slot join again (`include`)
         or invalidates the pool, so every slot outside still scores above `bound`. Protected scores stay (a
         batch's hit protection is taken off again without an `include`). This batch's victims score <= bound and
         stay: their new rows' scores are unknown here. Without it every prefetch window's slots, included when
         its protection comes off, stay in the pool to be re-scored each batch (mostly rows used again soon,
-        far above the bound) until the pool doubles and a full ranking is forced."""
-        keep = (score <= self.bound) | (score >= PROTECTED)
+        far above the bound) until the pool doubles and a full ranking is forced. With `drop_protected` the
+        protected candidates go too (see `choose`): at a 5% cache with one-batch windows they were ~26k of a
+        ~68k-entry pool, re-scored every window."""
+        keep = score <= self.bound
+        if not drop_protected:
+            keep |= score >= PROTECTED
         self.slots = pool.masked_select(keep)
 
     def _rank(self, policy, score_all, unprotect_hits, protected, k, k1, size, exact, gate=None) -> torch.Tensor:
