@@ -165,7 +165,38 @@ def test_id_map_keeps_what_a_dict_keeps(map_loops):
         found = m.find(query)
         assert [int(f) >= 0 for f in found] == [q in ref for q in query.tolist()]
         assert torch.equal(m.keys[found[found >= 0]], query[found >= 0])
+        assert m.used == int((m.keys[: m.none] != -1).sum())  # ids and TOMBs: what the growth test counts
     assert m.relayouts > 1
+
+
+def test_id_map_of_ids_coming_and_going_is_not_laid_out_again(map_loops):
+    """A horizon sliding on: as many ids leave as enter each step. In C a TOMB that ends no probe becomes EMPTY,
+    so the map stays within its size without relayouts (each moves every position its owner holds); the torch
+    loops leave TOMBs to the next relayout. Either way the map answers as a set does."""
+    from cachedemb.prefetch.id_map import IdMap
+
+    rng = np.random.default_rng(5)
+    m, live, fresh = IdMap(1), [], 0
+    for step in range(300):
+        ids = torch.arange(fresh, fresh + 300) * 7919 % 10**9
+        fresh += 300
+        m.reserve(ids.numel())
+        m.words[m.insert(ids), 0] = 1
+        live.append(ids)
+        if len(live) > 10:
+            leaving = live.pop(0)
+            at = m.find(leaving)
+            m.words[at] = 0
+            m.drop_empty(at)
+        if step == 20:
+            settled = m.relayouts
+        assert m.used == int((m.keys[: m.none] != -1).sum())
+    held = torch.cat(live)
+    assert bool((m.find(held) >= 0).all()) and int((m.keys >= 0).sum()) == held.numel()
+    if map_loops == "c":
+        assert m.relayouts == settled and m.used < 2 * held.numel()
+    else:
+        assert m.relayouts > settled
 
 
 def test_a_c_insert_that_would_leave_the_tail_changes_nothing():

@@ -50,14 +50,26 @@ int64_t cemb_map_insert(int64_t *keys, int64_t bits, int64_t none, const int64_t
     return reused;
 }
 
-/* The ids at `pos` whose W words are all zero leave the map (TOMB), unless pinned. */
-void cemb_map_drop_empty(int64_t *keys, const int64_t *words, const uint8_t *pinned, int64_t W, const int64_t *pos,
-                         int64_t n) {
+/* The ids at `pos` whose W words are all zero leave the map (TOMB), unless pinned. A TOMB followed by an EMPTY
+ * position ends no probe that an EMPTY would not end there too, so it becomes EMPTY, and so do the TOMBs right
+ * before it: a map whose ids come and go keeps its positions EMPTY instead of filling with TOMBs until a relayout.
+ * Returns the positions made EMPTY (the map's `used` drops by as many). */
+int64_t cemb_map_drop_empty(int64_t *keys, const int64_t *words, const uint8_t *pinned, int64_t W, const int64_t *pos,
+                            int64_t n) {
+    int64_t freed = 0;
     for (int64_t i = 0; i < n; i++) {
         int64_t p = pos[i], any = 0;
+        if (keys[p] < 0) continue;
         for (int64_t w = 0; w < W; w++) any |= words[p * W + w];
-        if (!any && !pinned[p]) keys[p] = TOMB;
+        if (any || pinned[p]) continue;
+        keys[p] = TOMB;
+        if (keys[p + 1] != EMPTY) continue;  /* p + 1 exists: the last position is always EMPTY */
+        for (int64_t q = p; q >= 0 && keys[q] == TOMB; q--) {
+            keys[q] = EMPTY;
+            freed++;
+        }
     }
+    return freed;
 }
 
 /* words[pos[i], word] |= bit (set) or &= ~bit (clear, then drop the ids left with no word, unless pinned). */
@@ -68,13 +80,13 @@ void cemb_bits_set(int64_t *words, int64_t W, int64_t word, int64_t bit, const i
     }
 }
 
-void cemb_bits_clear_drop(int64_t *keys, int64_t *words, const uint8_t *pinned, int64_t W, int64_t word,
-                          int64_t bit, const int64_t *pos, int64_t n) {
+int64_t cemb_bits_clear_drop(int64_t *keys, int64_t *words, const uint8_t *pinned, int64_t W, int64_t word,
+                             int64_t bit, const int64_t *pos, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         if (i + AHEAD < n) __builtin_prefetch(&words[pos[i + AHEAD] * W + word], 1, 0);
         words[pos[i] * W + word] &= ~bit;
     }
-    cemb_map_drop_empty(keys, words, pinned, W, pos, n);
+    return cemb_map_drop_empty(keys, words, pinned, W, pos, n);
 }
 
 /* out[i]: the first batch whose bit is set in the words at pos[i], over segments s in batch order (word

@@ -21,9 +21,9 @@ _P = ctypes.c_void_p
 _C = CFunctions(Path(__file__).with_name("host_map.c"), {
     "cemb_map_find": ([_P, _I64, _P, _I64, _P], None),
     "cemb_map_insert": ([_P, _I64, _I64, _P, _I64, _P, _P], _I64),
-    "cemb_map_drop_empty": ([_P, _P, _P, _I64, _P, _I64], None),
+    "cemb_map_drop_empty": ([_P, _P, _P, _I64, _P, _I64], _I64),
     "cemb_bits_set": ([_P, _I64, _I64, _I64, _P, _I64], None),
-    "cemb_bits_clear_drop": ([_P, _P, _P, _I64, _I64, _I64, _P, _I64], None),
+    "cemb_bits_clear_drop": ([_P, _P, _P, _I64, _I64, _I64, _P, _I64], _I64),
     "cemb_first_in": ([_P, _I64, _P, _I64, _P, _P, _P, _I64, _P], None),
     "cemb_unused_in": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _P], _I64),
     "cemb_fill_u8": ([_P, _P, _I64, _I64], None),
@@ -63,9 +63,10 @@ def insert(c, keys: torch.Tensor, bits: int, none: int, ids: torch.Tensor):
     return (None, 0) if reused < 0 else (out, int(reused))
 
 
-def drop_empty(c, keys, words, pinned, pos: torch.Tensor) -> None:
+def drop_empty(c, keys, words, pinned, pos: torch.Tensor) -> int:
+    """Drop the empty ids at `pos` (TOMB, or EMPTY where a TOMB needs not stay); returns the positions made EMPTY."""
     pos = _ids(pos)
-    c.cemb_map_drop_empty(_ptr(keys), _ptr(words), _ptr(pinned), words.shape[1], _ptr(pos), pos.numel())
+    return c.cemb_map_drop_empty(_ptr(keys), _ptr(words), _ptr(pinned), words.shape[1], _ptr(pos), pos.numel())
 
 
 def bits_set(c, words, word: int, bit: int, pos: torch.Tensor) -> None:
@@ -73,9 +74,10 @@ def bits_set(c, words, word: int, bit: int, pos: torch.Tensor) -> None:
     c.cemb_bits_set(_ptr(words), words.shape[1], word, bit, _ptr(pos), pos.numel())
 
 
-def bits_clear_drop(c, keys, words, pinned, word: int, bit: int, pos: torch.Tensor) -> None:
+def bits_clear_drop(c, keys, words, pinned, word: int, bit: int, pos: torch.Tensor) -> int:
+    """Clear a bit at `pos`, then `drop_empty` there; returns the positions made EMPTY."""
     pos = _ids(pos)
-    c.cemb_bits_clear_drop(_ptr(keys), _ptr(words), _ptr(pinned), words.shape[1], word, bit, _ptr(pos), pos.numel())
+    return c.cemb_bits_clear_drop(_ptr(keys), _ptr(words), _ptr(pinned), words.shape[1], word, bit, _ptr(pos), pos.numel())
 
 
 def first_in(c, words, pos: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:

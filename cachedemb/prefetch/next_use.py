@@ -81,7 +81,8 @@ class NextUseTracker:
         if old is not None:  # the position now means `batch`: clear the uses of the batch `span` earlier
             _, pos = self._positions(old)
             if c is not None:  # (and drop the ids with no use left in the ring)
-                host_map.bits_clear_drop(c, self.map.keys, self.map.words, self.map.pinned, word, bit, pos)
+                self.map.used -= host_map.bits_clear_drop(c, self.map.keys, self.map.words, self.map.pinned, word,
+                                                          bit, pos)
             else:
                 column = self.map.words[:, word]
                 column.index_copy_(0, pos, column.index_select(0, pos) & ~bit)
