@@ -472,9 +472,10 @@ def test_a_slow_window_copy_spanning_later_forwards_is_not_taken_for_an_outside_
     assert torch.equal(train(plain, []), train(ahead, []))
 
 
-def test_the_read_ahead_starts_no_task_while_a_window_copy_runs(monkeypatch):
+def test_the_read_ahead_starts_no_ordered_task_while_a_window_copy_runs(monkeypatch):
     """On a small machine the copy the next window waits for should not share a core with the read-ahead: no
-    read-ahead task starts while a copy runs (the copies are slowed to make that visible); training is unchanged."""
+    ordered read-ahead task (a batch entered, next uses) starts while a copy runs, only the urgent forward uniques
+    (the copies are slowed to make that visible); training is unchanged."""
     batches = mixed_batches(300, 30, seed=31)
     plain, ahead = make(cache_rows=60), make(cache_rows=60)
     copies, entered = [], []
@@ -491,22 +492,22 @@ def test_the_read_ahead_starts_no_task_while_a_window_copy_runs(monkeypatch):
 
     from cachedemb.prefetch.read_ahead import ReadAhead
 
-    def recording(real):
+    def recording(real, name):
         def task(self, *args):
-            entered.append(time.perf_counter())
+            entered.append((name, time.perf_counter()))
             time.sleep(0.015)  # a backlog of read-ahead tasks when the copy starts
             return real(self, *args)
         return task
 
     ahead.cache._move_rows = slow
     for name in ("_enter", "_unique", "_next_use"):
-        monkeypatch.setattr(ReadAhead, name, recording(getattr(ReadAhead, name)))
+        monkeypatch.setattr(ReadAhead, name, recording(getattr(ReadAhead, name), name))
     for (ids, offsets), (ids_a, offsets_a) in zip(batches, cachedemb.prefetch(batches, [ahead], depth=2, horizon=8)):
         plain(ids, offsets).pow(2).sum().backward()
         ahead(ids_a, offsets_a).pow(2).sum().backward()
     assert len(copies) > 5 and len(entered) > 20
     # (a task already past the gate when a copy begins may start within a moment of it)
-    assert not [t for t in entered for a, b in copies if a + 0.02 < t < b]
+    assert not [t for name, t in entered for a, b in copies if a + 0.02 < t < b and name != "_unique"]
     assert torch.equal(train(plain, []), train(ahead, []))
 
 
@@ -608,3 +609,23 @@ def test_a_process_exiting_with_a_pipeline_open_exits_cleanly():
         # release (allocating tensors there aborted the process: the pipeline leaves them as they are)
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and "left open" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+def test_a_paused_worker_runs_urgent_tasks_and_holds_ordered_ones():
+    """While a window copy pauses the read-ahead, a forward's unique ids (urgent) still start; the ordered tasks
+    wait for `resume` and then run in submission order."""
+    from cachedemb.prefetch.read_ahead import Worker
+
+    worker, ran = Worker(), []
+    try:
+        worker.pause()
+        ordered = [worker.submit(ran.append, f"ordered {i}") for i in range(2)]
+        worker.submit(ran.append, "urgent", urgent=True).result(timeout=5)
+        time.sleep(0.05)
+        assert ran == ["urgent"] and not any(f.done() for f in ordered)
+        worker.resume()
+        for f in ordered:
+            f.result(timeout=5)
+        assert ran == ["urgent", "ordered 0", "ordered 1"]
+    finally:
+        worker.close()

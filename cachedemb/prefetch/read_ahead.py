@@ -70,8 +70,9 @@ class Worker:
         self.ready = threading.Condition()
         self.stopping = False
         self.failed: BaseException | None = None
-        # cleared while a window's rows are being moved on another host thread: tasks wait to start, so on a small
-        # machine the copy (which the next window waits for) does not share a core with the read-ahead
+        # cleared while a window's rows are being moved on another host thread (`pause`): ordered tasks wait to
+        # start, so on a small machine the copy (which the next window waits for) does not share a core with the
+        # read-ahead; urgent ones (a forward's unique ids, needed sooner than the copy) still start
         self.may_start = threading.Event()
         self.may_start.set()
         self.thread = None
@@ -107,15 +108,23 @@ class Worker:
             self.failed = error
             future.set_exception(error)
 
+    def pause(self) -> None:
+        """Start no ordered task until `resume` (urgent ones still start)."""
+        self.may_start.clear()
+
+    def resume(self) -> None:
+        with self.ready:
+            self.may_start.set()
+            self.ready.notify()
+
     def _run(self) -> None:
         while True:
             with self.ready:
-                while not (self.urgent or self.ordered or self.stopping):
+                while not (self.urgent or (self.ordered and self.may_start.is_set()) or self.stopping):
                     self.ready.wait()
                 if self.stopping:
                     return
                 future, fn, args = (self.urgent or self.ordered).popleft()
-            self.may_start.wait()
             self._call(future, fn, args)
 
     def close(self) -> None:
