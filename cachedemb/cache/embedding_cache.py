@@ -671,8 +671,9 @@ class EmbeddingCache:
         Protected slots and this set's hits are never victims; misses beyond the free slots are served from
         the host (loc = HOST_LOC - id). With `transfer=False` the row copies are returned (`move`) instead of
         done; the slot metadata is updated either way. `window`: a prefetch window's placement, whose slots (hits
-        included) are protected right after, so the victim pool may drop protected candidates. Under the CUDA rules this is cachedemb/cache/device_place.py's
-        fixed launch sequence (the same victims in the same order)."""
+        included) are protected right after, so the victim pool may drop protected candidates. Under the CUDA
+        rules this is cachedemb/cache/device_place.py's fixed launch sequence (the same victims in the same
+        order)."""
         self.slot_epoch += 1
         if not self._early_exit():
             sizes, bufs = device_place.batch(self, policy, uniq.numel(), with_unique=False)

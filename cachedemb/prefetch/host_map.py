@@ -77,7 +77,8 @@ def bits_set(c, words, word: int, bit: int, pos: torch.Tensor) -> None:
 def bits_clear_drop(c, keys, words, pinned, word: int, bit: int, pos: torch.Tensor) -> int:
     """Clear a bit at `pos`, then `drop_empty` there; returns the positions made EMPTY."""
     pos = _ids(pos)
-    return c.cemb_bits_clear_drop(_ptr(keys), _ptr(words), _ptr(pinned), words.shape[1], word, bit, _ptr(pos), pos.numel())
+    return c.cemb_bits_clear_drop(_ptr(keys), _ptr(words), _ptr(pinned), words.shape[1], word, bit, _ptr(pos),
+                                  pos.numel())
 
 
 def first_in(c, words, pos: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
