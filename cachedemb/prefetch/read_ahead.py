@@ -70,11 +70,10 @@ class Worker:
         self.ready = threading.Condition()
         self.stopping = False
         self.failed: BaseException | None = None
-        # cleared while a window's rows are being moved on another host thread (`pause`): ordered tasks wait to
-        # start, so on a small machine the copy (which the next window waits for) does not share a core with the
+        # set while a window's rows are being moved on another host thread (`pause`): ordered tasks wait to start,
+        # so on a small machine the copy (which the next window waits for) does not share a core with the
         # read-ahead; urgent ones (a forward's unique ids, needed sooner than the copy) still start
-        self.may_start = threading.Event()
-        self.may_start.set()
+        self.paused = False
         self.thread = None
         if threaded:
             self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -110,17 +109,18 @@ class Worker:
 
     def pause(self) -> None:
         """Start no ordered task until `resume` (urgent ones still start)."""
-        self.may_start.clear()
+        with self.ready:
+            self.paused = True
 
     def resume(self) -> None:
         with self.ready:
-            self.may_start.set()
+            self.paused = False
             self.ready.notify()
 
     def _run(self) -> None:
         while True:
             with self.ready:
-                while not (self.urgent or (self.ordered and self.may_start.is_set()) or self.stopping):
+                while not (self.urgent or (self.ordered and not self.paused) or self.stopping):
                     self.ready.wait()
                 if self.stopping:
                     return
