@@ -218,7 +218,9 @@ class EmbeddingCache:
         if data.device.type != "cpu":
             self.rows, self.rows_spare = data, None
             return
-        buf = torch.empty(data.shape[0] + spare, data.shape[1], dtype=data.dtype)
+        # exact-size, huge-page advised memory: a batch's rows sit at random in a cache of tens to hundreds of
+        # MB, and with 4 KiB pages most row reads and updates miss the TLB
+        buf = host_empty((data.shape[0] + spare, data.shape[1]), data.dtype, pinned=False)
         buf[: data.shape[0]].copy_(data)
         self.rows, self.rows_spare = buf[: data.shape[0]], buf
 

@@ -5,6 +5,9 @@ pin 32 GB. Here the memory is an exact-size anonymous mapping, advised to use tr
 row access over a multi-GB table is otherwise TLB-bound) and, when CUDA exists, page-locked and mapped for the
 GPU with `cudaHostRegister` (portable + mapped: DMA and zero-copy access from kernels). The registration is
 dropped when the last tensor viewing the memory is gone. A CPU-only process never pins.
+
+Unpinned, the same memory holds what else is read at random over tens of MB on the host: a CPU cache's rows
+(8M x 64 table, 200k-row cache: the plain cached step ~10% faster on huge pages) and the read-ahead's id map.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import weakref
 import torch
 
 _MADV_HUGEPAGE = 14
-_HUGE_PAGE_MIN_BYTES = 64 << 20
+_HUGE_PAGE_MIN_BYTES = 4 << 20  # two huge pages: below that no aligned 2 MiB range is likely inside
 # cudaHostRegisterPortable | cudaHostRegisterMapped
 _REGISTER_FLAGS = 0x01 | 0x02
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from cachedemb.cache.host_memory import host_empty
 from cachedemb.kernels.host_nonzero import nonzero_1d
 from cachedemb.prefetch import host_map
 
@@ -53,9 +54,12 @@ class IdMap:
 
     def _allocate(self, size: int) -> None:
         self.size = size
-        self.keys = torch.full((size + TAIL + 1,), EMPTY, dtype=torch.int64)
-        self.words = torch.zeros(size + TAIL + 1, self.width, dtype=torch.int64)
-        self.pinned = torch.zeros(size + TAIL + 1, dtype=torch.bool)
+        # huge-page advised (host_empty): probes land at random in tens of MB (8M-row Zipf ids, horizon 64: a
+        # 4M-position map, 100 MB), so with 4 KiB pages nearly every probe missed the TLB too
+        n = size + TAIL + 1
+        self.keys = host_empty((n,), torch.int64, pinned=False).fill_(EMPTY)
+        self.words = host_empty((n, self.width), torch.int64, pinned=False).zero_()
+        self.pinned = host_empty((n,), torch.bool, pinned=False).zero_()
         self.used = 0  # positions holding an id or a TOMB
 
     @property

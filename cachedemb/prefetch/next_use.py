@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from cachedemb.cache.host_memory import host_empty
 from cachedemb.kernels.host_nonzero import nonzero_1d
 from cachedemb.prefetch import host_map
 from cachedemb.prefetch.id_map import IdMap
@@ -115,7 +116,7 @@ class NextUseTracker:
     def scratch(self) -> torch.Tensor:
         """An int32 array over the map's positions for a caller's per-id values (contents undefined)."""
         if getattr(self, "_scratch", None) is None or self._scratch.numel() != self.map.keys.numel():
-            self._scratch = torch.empty(self.map.keys.numel(), dtype=torch.int32)
+            self._scratch = host_empty((self.map.keys.numel(),), torch.int32, pinned=False)  # as the map's
         return self._scratch
 
     # ----------------------------------------------------------------- queries
@@ -275,7 +276,8 @@ class NextUseTracker:
         where two slots hold one id: a cache's slots never do, but a caller's ids may."""
         size = self.map.keys.numel()
         if changed is None or self._slot_at is None or self._slot_at.numel() != size:
-            self._slot_at = torch.full((size,), -1, dtype=torch.int64)
+            # huge-page advised like the map it indexes (random access over tens of MB)
+            self._slot_at = host_empty((size,), torch.int64, pinned=False).fill_(-1)
             changed = torch.arange(pos.numel())
         elif old is not None:
             self._fill(self._slot_at, old, -1)
