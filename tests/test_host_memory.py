@@ -1,7 +1,7 @@
 """Host memory of the CPU cache and the host table: exact size, advised to use transparent huge pages.
 
 A batch's rows sit at random in a cache of tens to hundreds of MB; with 4 KiB pages most row reads and updates
-miss the TLB (the 8M-row / 200k-row cache's backward ran ~10% faster with the rows on huge pages). The advice is
+miss the TLB. The advice is
 checked in the kernel's own record of the mapping (`VmFlags: hg` in /proc/self/smaps: MADV_HUGEPAGE was applied),
 which does not depend on whether THP is enabled on the machine.
 """
