@@ -80,7 +80,6 @@ def rescore(kind: int, pool: torch.Tensor, joined: torch.Tensor, capacity: int, 
     c.cemb_pool_rescore(kind, pool.data_ptr(), pool.numel(), joined.data_ptr(), joined.numel(), capacity,
                         slot_ids.data_ptr(), freq.data_ptr(), last_use.data_ptr(), next_use.data_ptr(),
                         protected.data_ptr(), bound, int(drop_protected), mark.data_ptr(), union.data_ptr(),
-                        score.data_ptr(),
-                        kept.data_ptr(), kept_score.data_ptr(), counts.data_ptr())
+                        score.data_ptr(), kept.data_ptr(), kept_score.data_ptr(), counts.data_ptr())
     n_union, n_kept, n_valid = counts.tolist()
     return Rescored(union[:n_union], score[:n_union], kept[:n_kept].clone(), kept_score[:n_kept], n_valid)
