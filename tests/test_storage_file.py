@@ -3,7 +3,9 @@ snapshot is never written (copy-on-write) and the file keeps the last two, and b
 another table's, a dead writer's, one in use) are refused with an error naming the file, overwriting nothing."""
 from __future__ import annotations
 
+import ctypes
 import os
+import struct
 import time
 import uuid
 
@@ -105,6 +107,65 @@ def test_committed_snapshot_is_never_overwritten(tmp_path):
     t.commit({})
     with pytest.raises(TableMismatchError, match="does not retain snapshot 1"):
         t.rollback(1)
+    t.close()
+
+
+def _pages_in_large_folios(path) -> tuple[int, int]:
+    """(pages of `path` in the page cache, of which in large folios): mincore over a read-only mapping, then
+    each cached page's frame in /proc/self/pagemap and its compound-page flags in /proc/kpageflags (root only).
+    Only pages already cached are touched, so looking creates no folio."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = os.sysconf("SC_PAGE_SIZE")
+    fd = os.open(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+    try:
+        vec = np.zeros(-(-size // page), dtype=np.uint8)
+        assert libc.mincore(addr, size, vec.ctypes.data) == 0
+        cached = np.flatnonzero(vec & 1)
+        large = 0
+        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap, \
+                open("/proc/kpageflags", "rb", buffering=0) as kflags:  # unbuffered: the entries change
+            for p in cached.tolist():
+                ctypes.c_char.from_address(addr + p * page).value  # map the cached page
+                pagemap.seek((addr // page + p) * 8)
+                entry = struct.unpack("Q", pagemap.read(8))[0]
+                assert entry >> 63, "a cached page that was just touched is not present"
+                kflags.seek((entry & ((1 << 55) - 1)) * 8)
+                large += bool(struct.unpack("Q", kflags.read(8))[0] & (3 << 15))  # COMPOUND_HEAD / _TAIL
+        return int(cached.size), large
+    finally:
+        libc.munmap(addr, size)
+        os.close(fd)
+
+
+def test_page_cache_keeps_the_table_in_small_folios(tmp_path):
+    """Creation, copy-on-write and long runs of rows write in page pieces, so a record rewritten later lands in a
+    4 KiB folio (rowio.c: ~5x cheaper than in a large one). Checked where this file system makes large folios
+    (a control file written in one call must have them) and /proc/kpageflags can be read."""
+    if not os.access("/proc/kpageflags", os.R_OK):
+        pytest.skip("/proc/kpageflags needs root")
+    control = tmp_path / "control.bin"
+    with open(control, "wb") as f:
+        f.write(os.urandom(4 << 20))
+    if _pages_in_large_folios(control)[1] == 0:
+        pytest.skip("this file system keeps 4 KiB page-cache folios (no large folios to avoid)")
+    path = tmp_path / "t.cemb"
+    h = header(num_rows=20000, rows_per_block=2000)  # 36 B records: 72 KB blocks, 720 KB of rows
+    t = create(path, h)
+    cached, large = _pages_in_large_folios(path)
+    assert cached > 100 and large == 0, (cached, large)
+    k = 3000  # a long run of adjacent rows across blocks (copied on write first: the creation was committed)
+    t.write(np.arange(5000, 5000 + k), t.layout.pack(torch.ones(k, D), {"sum": torch.ones(k, 1)},
+                                                        torch.ones(k, dtype=torch.int64))).wait()
+    assert t.stats["blocks_copied"] >= 2
+    cached, large = _pages_in_large_folios(path)
+    assert large == 0, (cached, large)
+    assert torch.equal(read(t, [5000, 7999])[0], torch.ones(2, D))
     t.close()
 
 

@@ -2,10 +2,64 @@
  * the call): one pread / pwrite per run of adjacent records, the loop in C. Span i covers records
  * [starts[i], starts[i + 1]) of `buf` (record `rec` bytes each), at file offset offsets[starts[i]].
  * Returns 0, -errno on an error, or 1 + i when span i hit the end of the file (a short read).
+ *
+ * Every write shorter than two pages goes in one call; a longer one goes in pieces that end at page boundaries
+ * (`write_paged`). The page cache sizes the folio a write creates by the write's length, and on a file system
+ * with large folios (ext4 since Linux 6.16) a later small write into a large folio walks every block of it: a
+ * 264-byte record written into a folio of a 4 MiB creation write cost 7.5-8.5 us of kernel time, into a 4 KiB
+ * folio 1.4-1.9 us (measured on 6.18). Records are rewritten one at a time for the table's whole life, so the
+ * writes that create its pages (creation, copy-on-write, long runs) keep them small.
  */
 #include <errno.h>
 #include <stdint.h>
 #include <unistd.h>
+
+#define PAGE 4096
+#define COPY_BUF (64 * 1024)
+
+static int64_t write_paged(int fd, const char *p, size_t want, off_t off) {
+    while (want > 0) {
+        size_t piece = want;
+        if (want >= 2 * PAGE) {
+            piece = PAGE - (size_t)(off % PAGE);
+        }
+        ssize_t put = pwrite(fd, p, piece, off);
+        if (put < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        p += put;
+        want -= (size_t)put;
+        off += put;
+    }
+    return 0;
+}
+
+/* `len` bytes of `buf` at file offset `off` (see write_paged). Returns 0 or -errno. */
+int64_t cemb_pwrite_paged(int fd, const char *buf, int64_t len, int64_t off) {
+    return write_paged(fd, buf, (size_t)len, (off_t)off);
+}
+
+/* Copy `len` bytes of the file from offset `src` to `dst` (ranges apart) through a 64 KiB buffer, written
+ * paged. Returns 0, -errno, or 1 when the source ends early. */
+int64_t cemb_copy_paged(int fd, int64_t src, int64_t dst, int64_t len) {
+    char buf[COPY_BUF];
+    while (len > 0) {
+        size_t want = len < COPY_BUF ? (size_t)len : COPY_BUF;
+        ssize_t got = pread(fd, buf, want, (off_t)src);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (got == 0) return 1;
+        int64_t rc = write_paged(fd, buf, (size_t)got, (off_t)dst);
+        if (rc < 0) return rc;
+        src += got;
+        dst += got;
+        len -= got;
+    }
+    return 0;
+}
 
 int64_t cemb_pread_spans(int fd, const int64_t *offsets, const int64_t *starts, int64_t nspans, int64_t rec,
                          char *buf) {
@@ -33,19 +87,8 @@ int64_t cemb_pwrite_spans(int fd, const int64_t *offsets, const int64_t *starts,
                           const char *buf) {
     for (int64_t i = 0; i < nspans; i++) {
         int64_t a = starts[i], b = starts[i + 1];
-        const char *p = buf + a * rec;
-        size_t want = (size_t)((b - a) * rec);
-        off_t off = (off_t)offsets[a];
-        while (want > 0) {
-            ssize_t put = pwrite(fd, p, want, off);
-            if (put < 0) {
-                if (errno == EINTR) continue;
-                return -errno;
-            }
-            p += put;
-            want -= (size_t)put;
-            off += put;
-        }
+        int64_t rc = write_paged(fd, buf + a * rec, (size_t)((b - a) * rec), (off_t)offsets[a]);
+        if (rc < 0) return rc;
     }
     return 0;
 }

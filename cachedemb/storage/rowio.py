@@ -6,6 +6,9 @@ single ctypes call (ctypes releases the GIL), so the I/O threads overlap the tra
 turns with it. The C file is compiled on first use with the system's `cc` into a per-user cache keyed by its
 source hash (about 0.1 s, once); without a compiler, or with `CACHEDEMB_STORAGE_IO=python`, the Python loop
 runs. Both give the same bytes (tests/test_storage_file.py runs both).
+
+Writes that create the file's pages go in pieces of at most a page (see rowio.c: a record later written into a
+large page-cache folio costs ~5x the kernel time of one written into a 4 KiB folio), both loops alike.
 """
 from __future__ import annotations
 
@@ -38,6 +41,10 @@ def _load():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int64
         fn.argtypes = [ctypes.c_int, i64p, i64p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.cemb_pwrite_paged.restype = ctypes.c_int64
+    lib.cemb_pwrite_paged.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    lib.cemb_copy_paged.restype = ctypes.c_int64
+    lib.cemb_copy_paged.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     _lib = lib
     return _lib
 
@@ -82,7 +89,47 @@ def pwrite_spans(fd: int, offsets: np.ndarray, starts: np.ndarray, rec: int, buf
         return
     view = memoryview(buf).cast("B")
     for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
-        at, want, off = a * rec, (b - a) * rec, int(offsets[a])
-        while want:
-            put = os.pwritev(fd, [view[at: at + want]], off)
-            at, want, off = at + put, want - put, off + put
+        _write_paged(fd, view[a * rec: b * rec], int(offsets[a]))
+
+
+def pwrite_paged(fd: int, data, offset: int) -> None:
+    """Write all of `data` (bytes-like) at `offset`, in page pieces when it is two pages or longer."""
+    view = memoryview(data).cast("B")
+    lib = _load()
+    if lib is not None:
+        arr = np.frombuffer(view, dtype=np.uint8)
+        rc = lib.cemb_pwrite_paged(fd, arr.ctypes.data, arr.size, offset)
+        if rc < 0:
+            raise OSError(-rc, os.strerror(-rc))
+        return
+    _write_paged(fd, view, offset)
+
+
+def copy_paged(fd: int, src: int, dst: int, length: int) -> bool:
+    """Copy `length` bytes of the file from `src` to `dst` (non-overlapping) through a 64 KiB buffer, written in
+    page pieces (copy_file_range would create large folios at `dst`); False when the source ends early."""
+    lib = _load()
+    if lib is not None:
+        rc = lib.cemb_copy_paged(fd, src, dst, length)
+        if rc < 0:
+            raise OSError(-rc, os.strerror(-rc))
+        return rc == 0
+    while length > 0:
+        data = os.pread(fd, min(length, _COPY_BUF), src)
+        if not data:
+            return False
+        _write_paged(fd, memoryview(data), dst)
+        src, dst, length = src + len(data), dst + len(data), length - len(data)
+    return True
+
+
+_PAGE = 4096
+_COPY_BUF = 64 << 10
+
+
+def _write_paged(fd: int, view: memoryview, off: int) -> None:
+    """rowio.c's write_paged: one call under two pages, else pieces ending at page boundaries."""
+    while view.nbytes:
+        piece = view.nbytes if view.nbytes < 2 * _PAGE else _PAGE - off % _PAGE
+        put = os.pwritev(fd, [view[:piece]], off)
+        view, off = view[put:], off + put

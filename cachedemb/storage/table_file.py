@@ -8,8 +8,12 @@ submission order. A written record costs ~1.5 us of kernel time (the page dirtie
 written per second; on a machine with few cores more writers only take turns with the training thread.
 
 A chunk (the rows of one block) that a retained snapshot names is never written: its first write after a commit
-copies the block into a free one (`os.copy_file_range`, in the kernel: no table bytes through this process's
-memory), and the live chunk map points there from then on.
+copies the block into a free one (through a 64 KiB buffer), and the live chunk map points there from then on.
+
+The file is read at random (`POSIX_FADV_RANDOM`: no read-ahead) and every write that creates its pages (creation,
+copy-on-write, long runs) goes in page-sized pieces (`rowio`), so the page cache holds the table in 4 KiB
+folios: a record rewritten into a large folio costs ~5x the kernel time (ext4 walks every block of the folio;
+`copy_file_range` and one large write both create large folios).
 
 Commit (`commit`): wait for every read and write, `fdatasync`, write the live chunk map into free blocks,
 `fdatasync`, overwrite the superblock slot of the older retained snapshot, `fdatasync`. The file then retains
@@ -128,6 +132,7 @@ class TableFile:
         table = cls(path, fd, header, True, io_threads, write_threads)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _advise_random(fd)
             os.pwrite(fd, header.encode(), 0)
             table._write_writer_record(True)
             for slot in SUPER_OFFSETS:
@@ -432,27 +437,16 @@ class TableFile:
             return block
 
     def _copy_block(self, src: int, dst: int) -> None:
-        """Copy-on-write of one block, inside the kernel where it can (no bytes through this process)."""
+        """Copy-on-write of one block, in page-sized writes (see the module docstring)."""
         a, b = DATA_OFFSET + src * self.block, DATA_OFFSET + dst * self.block
-        done = 0
-        while done < self.block:
-            try:
-                n = os.copy_file_range(self.fd, self.fd, self.block - done, a + done, b + done)
-            except (OSError, AttributeError):
-                n = 0
-            if n <= 0:  # not supported here: through a bounded buffer
-                data = os.pread(self.fd, self.block - done, a + done)
-                self._pwrite_all(data, b + done)
-                n = len(data)
-            done += n
+        if not rowio.copy_paged(self.fd, a, b, self.block):
+            raise CorruptTableError(f"table file {str(self.path)!r}: the file ends inside block {src} "
+                                    "(truncated while open?)")
         with self._stats_lock:
             self.stats["blocks_copied"] += 1
 
     def _pwrite_all(self, data, offset: int) -> None:
-        view = memoryview(data).cast("B")
-        while view.nbytes:
-            n = os.pwritev(self.fd, [view], offset)
-            view, offset = view[n:], offset + n
+        rowio.pwrite_paged(self.fd, data, offset)
 
     def drain(self) -> None:
         """Wait for every read and write issued so far (raising the first I/O error)."""
