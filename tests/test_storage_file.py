@@ -208,12 +208,23 @@ def test_writes_on_several_writers_land_in_submission_order(tmp_path):
     t.close()
 
 
-def test_writer_threads_follow_the_cores(monkeypatch):
+def test_io_threads_follow_the_cores(monkeypatch, tmp_path):
     from cachedemb.storage import table_file
     monkeypatch.setattr(table_file.os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
-    assert table_file.default_writers(4) == 1  # a 2-core box: one writer (more only take turns with training)
+    # a 2-core box: one reader, one writer (more only take turns with training)
+    assert table_file.default_readers() == 1 and table_file.default_writers(4) == 1
+    t = create(tmp_path / "t.cemb")
+    assert t._readers._max_workers == 1 and len(t._writers) == 1
+    t.close()
     monkeypatch.setattr(table_file.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert table_file.default_readers() == 4
     assert table_file.default_writers(4) == 2 and table_file.default_writers(16) == 4
+    t = TableFile.open(tmp_path / "t.cemb")
+    assert t._readers._max_workers == 4 and len(t._writers) == 2
+    t.close()
+    t = TableFile.open(tmp_path / "t.cemb", io_threads=3)  # asked for: kept
+    assert t._readers._max_workers == 3 and len(t._writers) == 1
+    t.close()
 
 
 def test_reopen_continues_from_the_newest_snapshot(tmp_path):

@@ -2,9 +2,10 @@
 
 Reads and writes are batched and sorted by file offset; runs of adjacent records go in one pread / pwrite call
 (`rowio`: a loop in C under one GIL-free ctypes call, or `os.preadv` / `os.pwritev` in Python), and the calls run
-on worker threads: reads on `io_threads` workers, writes on `write_threads` (default: one per four cores, at most
-`io_threads // 2`, at least one), each writer owning the chunks c = k mod writers, so every row's writes land in
-submission order. A written record costs ~1.5 us of kernel time (the page dirtied), so one writer caps the rows
+on worker threads: reads on `io_threads` workers (default: one per two cores, at most four: on a 2-core machine
+more readers only take turns with the training thread, a 1/16 step 43-45 ms with two or four, 38 with one),
+writes on `write_threads` (default: one per four cores, at most `io_threads // 2`, at least one), each writer
+owning the chunks c = k mod writers, so every row's writes land in submission order. A written record costs ~1.5 us of kernel time (the page dirtied), so one writer caps the rows
 written per second; on a machine with few cores more writers only take turns with the training thread.
 
 A chunk (the rows of one block) that a retained snapshot names is never written: its first write after a commit
@@ -88,7 +89,7 @@ def _spans(offsets: np.ndarray, record: int) -> np.ndarray:
 class TableFile:
     """One table file open for reading or writing (see the module docstring)."""
 
-    def __init__(self, path: Path, fd: int, header: TableHeader, writable: bool, io_threads: int,
+    def __init__(self, path: Path, fd: int, header: TableHeader, writable: bool, io_threads: int | None,
                  write_threads: int | None = None):
         self.path, self.fd, self.header, self.writable = path, fd, header, writable
         self.layout = header.layout
@@ -101,6 +102,7 @@ class TableFile:
         self.used = np.zeros(0, dtype=bool)
         self.free: list[int] = []
         self._map_lock = threading.Lock()
+        io_threads = io_threads or default_readers()
         self._readers = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="cachedemb-read")
         # One thread per writer: a writer's tasks run in submission order, and a chunk always goes to one writer.
         self._writers = [ThreadPoolExecutor(1, thread_name_prefix="cachedemb-write")
@@ -116,7 +118,7 @@ class TableFile:
 
     # ----------------------------------------------------------------- creation and opening
     @classmethod
-    def create(cls, path, header: TableHeader, fill: RowFill, io_threads: int = 4,
+    def create(cls, path, header: TableHeader, fill: RowFill, io_threads: int | None = None,
                write_threads: int | None = None) -> "TableFile":
         """Write a new table file at `path` (which must not exist), its rows from `fill` in chunks of blocks
         (never the whole table in memory), committed as snapshot 1; returned open for writing. The file is
@@ -166,7 +168,7 @@ class TableFile:
 
     @classmethod
     def open(cls, path, writable: bool = True, recover: bool = False, expect: TableHeader | None = None,
-             io_threads: int = 4, write_threads: int | None = None) -> "TableFile":
+             io_threads: int | None = None, write_threads: int | None = None) -> "TableFile":
         """Open an existing table file, checking its structure (and, with `expect`, that it holds that table).
         A file whose writer died raises TableWriterDiedError naming the last snapshot, unless `recover`: then
         it opens at that snapshot (the rows written after it are gone)."""
@@ -507,7 +509,7 @@ class TableFile:
         return os.fstat(self.fd).st_size
 
 
-def open_table(path, recover: bool = False, io_threads: int = 4) -> TableFile:
+def open_table(path, recover: bool = False, io_threads: int | None = None) -> TableFile:
     """Open a table file read-only at its newest snapshot (for export or inspection: `iter_rows`,
     `describe_snapshot`). A file whose writer died raises TableWriterDiedError unless `recover`."""
     return TableFile.open(path, writable=False, recover=recover, io_threads=io_threads)
@@ -527,13 +529,22 @@ def iter_table_rows(table: TableFile, chunk_rows: int = 1 << 16):
         yield start, layout.weight_view(records), states, layout.count_view(records)
 
 
+def _cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_readers() -> int:
+    """Reader threads: one per two cores this process may run on, at most four, at least one."""
+    return max(1, min(4, _cores() // 2))
+
+
 def default_writers(io_threads: int) -> int:
     """Writer threads: one per four cores this process may run on, at most io_threads // 2, at least one."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(io_threads // 2, cores // 4))
+    return max(1, min(io_threads // 2, _cores() // 4))
 
 
 def _submit(pool: ThreadPoolExecutor, fn, *args) -> Future:
