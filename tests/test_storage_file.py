@@ -87,6 +87,30 @@ def test_rows_round_trip_in_any_order(tmp_path):
     t.close()
 
 
+def test_a_read_waited_for_at_once_takes_a_share_on_the_calling_thread(tmp_path):
+    """`here=True` (the forward waits for its misses): the caller reads the last part itself; the records are
+    the same as the pool's alone, and its error (a truncated file) is raised at wait(), as a worker's is."""
+    import threading
+
+    t = create(tmp_path / "t.cemb")
+    ids = np.arange(0, N, 3)  # not adjacent: one span each, enough for every part
+    threads = []
+    ticket = t.read(ids, sink=lambda records, order: threads.append(threading.get_ident()), here=True)
+    mine, _ = ticket.wait()
+    assert threading.get_ident() in threads and len(threads) == t._readers._max_workers + 1
+    pool, _ = t.read(ids).wait()
+    assert torch.equal(mine, pool)
+    w, s, c = rows_of(0)
+    got_w, got_s, got_c = read(t, ids)
+    assert torch.equal(got_w, w[ids]) and torch.equal(got_c, c[ids])
+    os.truncate(t.path, os.path.getsize(t.path) // 2)
+    ticket = t.read(np.array([0, N - 1]), here=True)  # the part read here meets the end of the file
+    with pytest.raises(CorruptTableError, match="truncated"):
+        ticket.wait()
+    t._pending.clear()
+    t.close()
+
+
 def test_committed_snapshot_is_never_overwritten(tmp_path):
     t = create(tmp_path / "t.cemb")
     before = table_rows(t).clone()

@@ -286,17 +286,17 @@ class FileBackedEmbeddingBag(nn.Module):
             self._drop_ahead(keep=0)  # not the batch read ahead: the read-ahead batches are abandoned
         uniq, inverse = distinct(flat[keep])
         if not train:
-            return host.map(uniq, None, grow=True), inverse
+            return host.map(uniq, None, grow=True, now=True), inverse
         seq, self.seq = self.seq, self.seq + 1
         host.done_below = seq
         host.trim()
         return self._map_now(uniq, seq), inverse
 
     def _map_now(self, uniq: np.ndarray, seq: int) -> np.ndarray:
-        rows = self.host.map(uniq, seq, grow=False)
+        rows = self.host.map(uniq, seq, grow=False, now=True)
         if rows is None:  # the read-ahead batches hold the rows this one needs: they give them up first
             self._drop_ahead(keep=len(self.ahead))
-            rows = self.host.map(uniq, seq, grow=True)
+            rows = self.host.map(uniq, seq, grow=True, now=True)
         return rows
 
     def _drop_ahead(self, keep: int) -> None:

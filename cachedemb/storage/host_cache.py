@@ -113,10 +113,12 @@ class HostRowCache:
         rows = np.flatnonzero(self.row_id >= 0)
         return self.row_id[rows], rows
 
-    def map(self, uniq: np.ndarray, seq: int | None, grow: bool, limit: int | None = None) -> np.ndarray | None:
+    def map(self, uniq: np.ndarray, seq: int | None, grow: bool, limit: int | None = None,
+            now: bool = False) -> np.ndarray | None:
         """Slab rows for distinct ids `uniq` (missing ones allocated and read from the file, asynchronously);
         rows are held for batch `seq` (None: this forward only). Without `grow`, None when the rows
-        (below `limit`) cannot all be found (nothing is then allocated)."""
+        (below `limit`) cannot all be found (nothing is then allocated). `now`: the forward waits for the rows
+        at once (the calling thread reads a share of them, TableFile.read's `here`)."""
         rows = self.find(uniq)
         miss = np.flatnonzero(rows < 0)
         if miss.size:
@@ -139,7 +141,7 @@ class HostRowCache:
             self.row_id[new] = ids
             self.row_step[new] = -1
             self.dirty[new] = False
-            self._load(ids, new)
+            self._load(ids, new, now)
             rows[miss] = new
         self.stats["hits"] += int(uniq.size - miss.size)
         self.stats["misses"] += int(miss.size)
@@ -147,7 +149,7 @@ class HostRowCache:
             self.row_step[rows] = np.maximum(self.row_step[rows], seq)
         return rows
 
-    def _load(self, ids: np.ndarray, rows: np.ndarray) -> None:
+    def _load(self, ids: np.ndarray, rows: np.ndarray, now: bool = False) -> None:
         """Read rows `ids` into slab `rows` on the pool. A row whose write-back is still in flight is copied from
         that write's records (the bytes the file will hold; the newest write where it is in several) instead
         of waiting for the write and reading it back."""
@@ -181,7 +183,7 @@ class HostRowCache:
         if ids.size == 0:
             return
         dest = torch.from_numpy(rows)
-        self.loads.append(self.table.read(ids, sink=lambda records, order: land(records, dest, order)))
+        self.loads.append(self.table.read(ids, sink=lambda records, order: land(records, dest, order), here=now))
         self.load_serial += 1
         self.row_load[rows] = self.load_serial
 

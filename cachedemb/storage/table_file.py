@@ -350,10 +350,11 @@ class TableFile:
             blocks = self.live[ids // self.rpb]
         return DATA_OFFSET + blocks * self.block + (ids % self.rpb) * self.record
 
-    def read(self, ids: np.ndarray, sink=None) -> IoTicket:
+    def read(self, ids: np.ndarray, sink=None, here: bool = False) -> IoTicket:
         """Read the records of rows `ids` (distinct) on the pool; `wait()` gives (records [k, record] uint8 in
         file order, order) with records[i] the row ids[order[i]]. `sink(records[a:b], order[a:b])`, when given,
-        runs on the worker thread as each part lands."""
+        runs on the worker thread as each part lands. `here`: the caller waits for the rows at once, so its
+        thread reads a share too instead of idling (one reader per two cores leaves a core to it)."""
         ids = np.asarray(ids, dtype=np.int64)
         offsets = self.row_offsets(ids)
         order = np.argsort(offsets, kind="stable")
@@ -361,11 +362,15 @@ class TableFile:
         records = torch.empty(ids.size, self.record, dtype=torch.uint8)
         buf = records.numpy()
         spans = _spans(offsets, self.record)
-        parts = min(self._readers._max_workers, max(1, spans.size - 1))
+        parts = min(self._readers._max_workers + int(here), max(1, spans.size - 1))
         cuts = np.linspace(0, spans.size - 1, parts + 1).astype(np.int64)
         order_t = torch.from_numpy(order)
-        futures = [_submit(self._readers, self._read_part, buf, offsets, spans[cuts[i]: cuts[i + 1] + 1], records,
-                                        order_t, sink) for i in range(parts) if cuts[i + 1] > cuts[i]]
+        args = [(buf, offsets, spans[cuts[i]: cuts[i + 1] + 1], records, order_t, sink)
+                for i in range(parts) if cuts[i + 1] > cuts[i]]
+        mine = args.pop() if here and args else None  # the last part: the pool starts on the others first
+        futures = [_submit(self._readers, self._read_part, *a) for a in args]
+        if mine is not None:
+            futures.append(_run_here(self._read_part, *mine))
         self.stats["rows_read"] += int(ids.size)
         self.stats["bytes_read"] += int(ids.size) * self.record
         self.stats["read_calls"] += int(spans.size - 1)
@@ -553,12 +558,17 @@ def _submit(pool: ThreadPoolExecutor, fn, *args) -> Future:
     try:
         return pool.submit(fn, *args)
     except RuntimeError:
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits, as the pool would
-            future.set_exception(exc)
-        return future
+        return _run_here(fn, *args)
+
+
+def _run_here(fn, *args) -> Future:
+    """fn run on this thread now, as a done Future (its error raised by whoever waits, as a pool's would be)."""
+    future: Future = Future()
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:  # noqa: BLE001 - handed to whoever waits, as the pool would
+        future.set_exception(exc)
+    return future
 
 
 def _check_expected(path: Path, header: TableHeader, expect: TableHeader) -> None:
