@@ -5,8 +5,9 @@ Reads and writes are batched and sorted by file offset; runs of adjacent records
 on worker threads: reads on `io_threads` workers (default: one per two cores, at most four: on a 2-core machine
 more readers only take turns with the training thread, a 1/16 step 43-45 ms with two or four, 38 with one),
 writes on `write_threads` (default: one per four cores, at most `io_threads // 2`, at least one), each writer
-owning the chunks c = k mod writers, so every row's writes land in submission order. A written record costs ~1.5 us of kernel time (the page dirtied), so one writer caps the rows
-written per second; on a machine with few cores more writers only take turns with the training thread.
+owning the chunks c = k mod writers, so every row's writes land in submission order. A written record costs
+~1.5 us of kernel time (the page dirtied), so one writer caps the rows written per second; on a machine with few
+cores more writers only take turns with the training thread.
 
 A chunk (the rows of one block) that a retained snapshot names is never written: its first write after a commit
 copies the block into a free one (through a 64 KiB buffer), and the live chunk map points there from then on.
