@@ -115,6 +115,8 @@ def main():
     p.add_argument("--horizon", type=int, default=8)
     p.add_argument("--read-ahead", type=int, default=2,
                    help="FileStorage.read_ahead: horizon batches whose misses are read ahead under prefetch")
+    p.add_argument("--io-threads", type=int, default=None,
+                   help="FileStorage.io_threads (default: the library's)")
     p.add_argument("--warm-only", action="store_true", help="skip the cold page cache runs")
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--out")
@@ -130,6 +132,7 @@ def main():
     out = {"issue": 23, "num_rows": args.rows, "dim": args.dim, "batch": "4096 x 26 zipf 1.05 (scattered)",
            "optimizer": "fused SGD", "device_cache_rows": cache_rows, "warmup": args.warmup, "rounds": args.rounds,
            "block": args.block, "torch_threads": 1, "prefetch": prefetch, "read_ahead": args.read_ahead, "rowio": rowio.backend(),
+           "io_threads": args.io_threads or cachedemb.FileStorage.io_threads,
            "machine": "CPU-only dev box, 2 cores, shared", "platform": platform.platform(),
            "method": "blocks of steps alternating file-backed / in-memory (no prefetch) on the same batches; "
                      "ratio per block pair, median", "runs": []}
@@ -167,7 +170,8 @@ def main():
                                                        optimizer=spec, device="cpu",
                                                        storage=cachedemb.FileStorage(
                                                            path, host_cache_bytes=table_bytes // fraction,
-                                                           read_ahead=args.read_ahead))
+                                                           read_ahead=args.read_ahead,
+                                                           io_threads=args.io_threads or cachedemb.FileStorage.io_threads))
                     result = rounds(emb, mem, batches, offsets, args.warmup, args.rounds, args.block, pf, cold)
                     name = f"file 1/{fraction}" + (" +prefetch" if pf else "") + (" cold" if cold else "")
                     result = dict(name=name, host_cache_bytes=table_bytes // fraction,

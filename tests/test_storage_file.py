@@ -97,7 +97,7 @@ def test_a_read_waited_for_at_once_takes_a_share_on_the_calling_thread(tmp_path)
     threads = []
     ticket = t.read(ids, sink=lambda records, order: threads.append(threading.get_ident()), here=True)
     mine, _ = ticket.wait()
-    assert threading.get_ident() in threads and len(threads) == t._readers._max_workers + 1
+    assert threading.get_ident() in threads and len(threads) >= 2
     pool, _ = t.read(ids).wait()
     assert torch.equal(mine, pool)
     w, s, c = rows_of(0)
@@ -232,22 +232,64 @@ def test_writes_on_several_writers_land_in_submission_order(tmp_path):
     t.close()
 
 
-def test_io_threads_follow_the_cores(monkeypatch, tmp_path):
+def test_writer_threads_follow_the_cores(monkeypatch):
     from cachedemb.storage import table_file
     monkeypatch.setattr(table_file.os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
-    # a 2-core box: one reader, one writer (more only take turns with training)
-    assert table_file.default_readers() == 1 and table_file.default_writers(4) == 1
-    t = create(tmp_path / "t.cemb")
-    assert t._readers._max_workers == 1 and len(t._writers) == 1
-    t.close()
+    assert table_file.default_writers(4) == 1  # a 2-core box: one writer (more only take turns with training)
     monkeypatch.setattr(table_file.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    assert table_file.default_readers() == 4
     assert table_file.default_writers(4) == 2 and table_file.default_writers(16) == 4
-    t = TableFile.open(tmp_path / "t.cemb")
-    assert t._readers._max_workers == 4 and len(t._writers) == 2
+
+
+def test_reads_are_split_over_the_readers_only_while_records_come_from_the_disk(tmp_path):
+    """Parallel parts keep requests in flight on a disk; from a warm page cache they only take CPU turns, so a
+    read goes in one part there (plus the caller's share with `here`). The records are the same either way."""
+    import threading
+
+    from cachedemb.storage.table_file import COLD_SHARE
+
+    t = create(tmp_path / "t.cemb")
+    ids = np.arange(0, N, 3)  # not adjacent: one span each, enough for every part
+    me = threading.get_ident()
+
+    def parts(disk_share, here):
+        t.disk_share = disk_share
+        threads = []
+        records, _ = t.read(ids, sink=lambda r, o: threads.append(threading.get_ident()), here=here).wait()
+        return len(threads), threads.count(me), records
+
+    readers = t._readers._max_workers
+    assert readers == 4
+    n, mine, warm = parts(COLD_SHARE / 10, here=False)
+    assert (n, mine) == (1, 0)
+    n, mine, warm_here = parts(COLD_SHARE / 10, here=True)
+    assert (n, mine) == (2, 1)
+    n, mine, cold = parts(min(1.0, COLD_SHARE * 3), here=False)
+    assert (n, mine) == (readers, 0)
+    n, mine, cold_here = parts(None, here=True)  # nothing measured yet: as from the disk
+    assert (n, mine) == (readers + 1, 1)
+    assert torch.equal(warm, cold) and torch.equal(warm, warm_here) and torch.equal(warm, cold_here)
     t.close()
-    t = TableFile.open(tmp_path / "t.cemb", io_threads=3)  # asked for: kept
-    assert t._readers._max_workers == 3 and len(t._writers) == 1
+
+
+def test_reads_measure_the_share_that_came_from_the_disk(tmp_path):
+    """The readers' own block input says where records came from: none from the disk right after writing them
+    (page cache), most once the file's pages are dropped (a cold read splits over the readers again)."""
+    from cachedemb.storage.table_file import COLD_SHARE
+
+    if not hasattr(__import__("resource"), "RUSAGE_THREAD"):
+        pytest.skip("no per-thread rusage here: reads always split")
+    t = create(tmp_path / "t.cemb", header(num_rows=20000, rows_per_block=2000))
+    ids = np.arange(0, 20000, 120)  # 167 records, each in a page of its own
+    t.disk_share = None
+    t.read(ids).wait()
+    assert t.disk_share is not None and t.disk_share < COLD_SHARE  # just written: in the page cache
+    t.drop_page_cache()
+    if t.disk_share is not None:
+        t.disk_share = 0.0
+    t.read(ids).wait()
+    if t.disk_share == 0.0:
+        pytest.skip("the file's pages stayed cached after POSIX_FADV_DONTNEED (nothing read from the disk)")
+    assert t.disk_share >= 0.2  # every record from the disk: a sample of ~1.0 mixed into 0.0 with weight 1/4
     t.close()
 
 

@@ -61,7 +61,8 @@ class FileStorage:
 
     recover: open a file whose last writer died at its last committed snapshot (else that raises
     TableWriterDiedError). rows_per_block: rows per copy-on-write chunk (default ~256 KiB of records).
-    io_threads: reader threads (default: one per two cores, at most four). device_windows: under
+    io_threads: reader threads (reads in flight while the file's pages come from the disk; a warm page cache is
+    read by one of them and the waiting forward). device_windows: under
     `cachedemb.prefetch`, also hand the read-ahead rows to the device cache's windows (default: for a CUDA
     cache, where a window overlaps the host->device copies with compute; on CPU the "device" cache is host
     memory and a window is extra copying, so only the file reads run ahead). read_ahead: without device windows, the batches of the prefetch horizon whose misses are read
@@ -71,7 +72,7 @@ class FileStorage:
     host_cache_bytes: int
     recover: bool = False
     rows_per_block: int | None = None
-    io_threads: int | None = None
+    io_threads: int = 4
     device_windows: bool | None = None
     read_ahead: int = 2
 
@@ -83,9 +84,8 @@ class FileStorage:
         rpb = self.rows_per_block
         if rpb is not None and (isinstance(rpb, bool) or not isinstance(rpb, int) or rpb < 1):
             raise ValueError(f"FileStorage.rows_per_block must be None or a positive int, got {rpb!r}")
-        io = self.io_threads
-        if io is not None and (isinstance(io, bool) or not isinstance(io, int) or io < 1):
-            raise ValueError(f"FileStorage.io_threads must be None (follow the cores) or a positive int, got {io!r}")
+        if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 1:
+            raise ValueError(f"FileStorage.io_threads must be a positive int, got {self.io_threads!r}")
         if isinstance(self.read_ahead, bool) or not isinstance(self.read_ahead, int) or self.read_ahead < 1:
             raise ValueError(f"FileStorage.read_ahead must be a positive int (batches), got {self.read_ahead!r}")
 

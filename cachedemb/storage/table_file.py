@@ -2,10 +2,17 @@
 
 Reads and writes are batched and sorted by file offset; runs of adjacent records go in one pread / pwrite call
 (`rowio`: a loop in C under one GIL-free ctypes call, or `os.preadv` / `os.pwritev` in Python), and the calls run
-on worker threads: reads on `io_threads` workers (default: one per two cores, at most four: on a 2-core machine
-more readers only take turns with the training thread, a 1/16 step 43-45 ms with two or four, 38 with one),
-writes on `write_threads` (default: one per four cores, at most `io_threads // 2`, at least one), each writer
-owning the chunks c = k mod writers, so every row's writes land in submission order. A written record costs
+on worker threads: reads on up to `io_threads` workers, writes on `write_threads` (default: one per four cores, at
+most `io_threads // 2`, at least one), each writer owning the chunks c = k mod writers, so every row's writes land
+in submission order.
+
+A read is split over the readers only while the file's records come from the disk (lately more than
+`COLD_SHARE` of the records read needed a page from the storage layer: the reading thread's block input,
+getrusage(RUSAGE_THREAD), which CPU contention does not inflate as it does wall time): blocked readers cost no
+CPU and keep several requests in flight. From a warm page cache a read is CPU work, and parallel parts only take
+turns with the training thread (a 1/16-cache step on 2 cores: 43-45 ms with two or four parts, 38 with one), so
+it goes in one part. A read the caller waits for at once (`here`) gives a share to the caller's own thread either
+way. A written record costs
 ~1.5 us of kernel time (the page dirtied), so one writer caps the rows written per second; on a machine with few
 cores more writers only take turns with the training thread.
 
@@ -32,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import resource
 import secrets
 import socket
 import threading
@@ -62,6 +70,9 @@ from cachedemb.storage.format import (
 # Row fill for creation: rows [start, stop) -> (weight [n, dim], {state: [n, cols]}, counts [n]).
 RowFill = Callable[[int, int], tuple]
 _FILL_BYTES = 4 << 20  # creation streams the table through a buffer of about this size
+# Reads split over the readers while more than this share of the records read lately came from the disk.
+COLD_SHARE = 0.25
+_BLOCK_IN = 512  # ru_inblock counts 512-byte blocks
 
 
 class IoTicket:
@@ -90,7 +101,7 @@ def _spans(offsets: np.ndarray, record: int) -> np.ndarray:
 class TableFile:
     """One table file open for reading or writing (see the module docstring)."""
 
-    def __init__(self, path: Path, fd: int, header: TableHeader, writable: bool, io_threads: int | None,
+    def __init__(self, path: Path, fd: int, header: TableHeader, writable: bool, io_threads: int,
                  write_threads: int | None = None):
         self.path, self.fd, self.header, self.writable = path, fd, header, writable
         self.layout = header.layout
@@ -103,8 +114,8 @@ class TableFile:
         self.used = np.zeros(0, dtype=bool)
         self.free: list[int] = []
         self._map_lock = threading.Lock()
-        io_threads = io_threads or default_readers()
         self._readers = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="cachedemb-read")
+        self.disk_share: float | None = None  # of the records read lately, the share read from the disk
         # One thread per writer: a writer's tasks run in submission order, and a chunk always goes to one writer.
         self._writers = [ThreadPoolExecutor(1, thread_name_prefix="cachedemb-write")
                          for _ in range(write_threads or default_writers(io_threads))]
@@ -119,7 +130,7 @@ class TableFile:
 
     # ----------------------------------------------------------------- creation and opening
     @classmethod
-    def create(cls, path, header: TableHeader, fill: RowFill, io_threads: int | None = None,
+    def create(cls, path, header: TableHeader, fill: RowFill, io_threads: int = 4,
                write_threads: int | None = None) -> "TableFile":
         """Write a new table file at `path` (which must not exist), its rows from `fill` in chunks of blocks
         (never the whole table in memory), committed as snapshot 1; returned open for writing. The file is
@@ -169,7 +180,7 @@ class TableFile:
 
     @classmethod
     def open(cls, path, writable: bool = True, recover: bool = False, expect: TableHeader | None = None,
-             io_threads: int | None = None, write_threads: int | None = None) -> "TableFile":
+             io_threads: int = 4, write_threads: int | None = None) -> "TableFile":
         """Open an existing table file, checking its structure (and, with `expect`, that it holds that table).
         A file whose writer died raises TableWriterDiedError naming the last snapshot, unless `recover`: then
         it opens at that snapshot (the rows written after it are gone)."""
@@ -355,7 +366,7 @@ class TableFile:
         """Read the records of rows `ids` (distinct) on the pool; `wait()` gives (records [k, record] uint8 in
         file order, order) with records[i] the row ids[order[i]]. `sink(records[a:b], order[a:b])`, when given,
         runs on the worker thread as each part lands. `here`: the caller waits for the rows at once, so its
-        thread reads a share too instead of idling (one reader per two cores leaves a core to it)."""
+        thread reads a share too instead of idling. Parts: see the module docstring."""
         ids = np.asarray(ids, dtype=np.int64)
         offsets = self.row_offsets(ids)
         order = np.argsort(offsets, kind="stable")
@@ -363,7 +374,8 @@ class TableFile:
         records = torch.empty(ids.size, self.record, dtype=torch.uint8)
         buf = records.numpy()
         spans = _spans(offsets, self.record)
-        parts = min(self._readers._max_workers + int(here), max(1, spans.size - 1))
+        cold = self.disk_share is None or self.disk_share > COLD_SHARE
+        parts = min((self._readers._max_workers if cold else 1) + int(here), max(1, spans.size - 1))
         cuts = np.linspace(0, spans.size - 1, parts + 1).astype(np.int64)
         order_t = torch.from_numpy(order)
         args = [(buf, offsets, spans[cuts[i]: cuts[i + 1] + 1], records, order_t, sink)
@@ -380,7 +392,12 @@ class TableFile:
         return ticket
 
     def _read_part(self, buf: np.ndarray, offsets: np.ndarray, spans: np.ndarray, records, order, sink) -> None:
+        before = _blocks_read()
         short = rowio.pread_spans(self.fd, offsets, spans, self.record, buf)
+        n = int(spans[-1] - spans[0])
+        if before is not None and n:  # a racy update from several readers only mixes in one sample or another
+            share = min(1.0, (_blocks_read() - before) * _BLOCK_IN / PAGE / n)
+            self.disk_share = share if self.disk_share is None else 0.75 * self.disk_share + 0.25 * share
         if short:
             at = int(offsets[spans[short - 1]])
             raise CorruptTableError(f"table file {str(self.path)!r}: the file ends inside the record at offset "
@@ -515,7 +532,7 @@ class TableFile:
         return os.fstat(self.fd).st_size
 
 
-def open_table(path, recover: bool = False, io_threads: int | None = None) -> TableFile:
+def open_table(path, recover: bool = False, io_threads: int = 4) -> TableFile:
     """Open a table file read-only at its newest snapshot (for export or inspection: `iter_rows`,
     `describe_snapshot`). A file whose writer died raises TableWriterDiedError unless `recover`."""
     return TableFile.open(path, writable=False, recover=recover, io_threads=io_threads)
@@ -535,22 +552,13 @@ def iter_table_rows(table: TableFile, chunk_rows: int = 1 << 16):
         yield start, layout.weight_view(records), states, layout.count_view(records)
 
 
-def _cores() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def default_readers() -> int:
-    """Reader threads: one per two cores this process may run on, at most four, at least one."""
-    return max(1, min(4, _cores() // 2))
-
-
 def default_writers(io_threads: int) -> int:
     """Writer threads: one per four cores this process may run on, at most io_threads // 2, at least one."""
-    return max(1, min(io_threads // 2, _cores() // 4))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(io_threads // 2, cores // 4))
 
 
 def _submit(pool: ThreadPoolExecutor, fn, *args) -> Future:
@@ -587,6 +595,14 @@ def _check_expected(path: Path, header: TableHeader, expect: TableHeader) -> Non
         raise TableMismatchError(f"table file {str(path)!r} holds {header.describe_shard()}, not the "
                                  f"{expect.describe_shard()} asked for (another rank's file, or a job of another "
                                  "world size or plan: a table on file is not resharded)")
+
+
+def _blocks_read() -> int | None:
+    """512-byte blocks this thread has read from the storage layer (None where the platform does not say)."""
+    try:
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_inblock
+    except (AttributeError, OSError):
+        return None
 
 
 def _advise_random(fd: int) -> None:
