@@ -122,6 +122,7 @@ def main():
     p.add_argument("--out")
     args = p.parse_args()
     torch.set_num_threads(1)
+    io_threads = args.io_threads or cachedemb.FileStorage.io_threads
     steps = args.warmup + args.rounds * args.block
     trace = zipf_trace(args.rows, 4096 * 26, steps + args.horizon, 1.05, seed=0)
     batches = [torch.from_numpy(b).to(torch.int64) for b in trace]
@@ -132,7 +133,7 @@ def main():
     out = {"issue": 23, "num_rows": args.rows, "dim": args.dim, "batch": "4096 x 26 zipf 1.05 (scattered)",
            "optimizer": "fused SGD", "device_cache_rows": cache_rows, "warmup": args.warmup, "rounds": args.rounds,
            "block": args.block, "torch_threads": 1, "prefetch": prefetch, "read_ahead": args.read_ahead, "rowio": rowio.backend(),
-           "io_threads": args.io_threads or cachedemb.FileStorage.io_threads,
+           "io_threads": io_threads,
            "machine": "CPU-only dev box, 2 cores, shared", "platform": platform.platform(),
            "method": "blocks of steps alternating file-backed / in-memory (no prefetch) on the same batches; "
                      "ratio per block pair, median", "runs": []}
@@ -170,8 +171,7 @@ def main():
                                                        optimizer=spec, device="cpu",
                                                        storage=cachedemb.FileStorage(
                                                            path, host_cache_bytes=table_bytes // fraction,
-                                                           read_ahead=args.read_ahead,
-                                                           io_threads=args.io_threads or cachedemb.FileStorage.io_threads))
+                                                           read_ahead=args.read_ahead, io_threads=io_threads))
                     result = rounds(emb, mem, batches, offsets, args.warmup, args.rounds, args.block, pf, cold)
                     name = f"file 1/{fraction}" + (" +prefetch" if pf else "") + (" cold" if cold else "")
                     result = dict(name=name, host_cache_bytes=table_bytes // fraction,

@@ -62,11 +62,11 @@ class FileStorage:
     recover: open a file whose last writer died at its last committed snapshot (else that raises
     TableWriterDiedError). rows_per_block: rows per copy-on-write chunk (default ~256 KiB of records).
     io_threads: reader threads (reads in flight while the file's pages come from the disk; a warm page cache is
-    read by one of them and the waiting forward). device_windows: under
-    `cachedemb.prefetch`, also hand the read-ahead rows to the device cache's windows (default: for a CUDA
-    cache, where a window overlaps the host->device copies with compute; on CPU the "device" cache is host
-    memory and a window is extra copying, so only the file reads run ahead). read_ahead: without device windows, the batches of the prefetch horizon whose misses are read
-    ahead (their rows held until they run); the later ones only steer the host cache's eviction."""
+    read by one of them and the waiting forward). device_windows: under `cachedemb.prefetch`, also hand the
+    read-ahead rows to the device cache's windows (default: for a CUDA cache, where a window overlaps the
+    host->device copies with compute; on CPU the "device" cache is host memory and a window is extra copying, so
+    only the file reads run ahead). read_ahead: without device windows, the batches of the prefetch horizon whose
+    misses are read ahead (their rows held until they run); the later ones only steer the host cache's eviction."""
 
     path: str | os.PathLike
     host_cache_bytes: int
