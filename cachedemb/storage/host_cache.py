@@ -33,8 +33,8 @@ from cachedemb.storage.slab_victims import victim_keys
 from cachedemb.storage.table_file import IoTicket, TableFile
 
 # An eviction frees at least 1/EVICT_FRACTION of the slab, so its O(slab) ranking and fixed costs are amortized.
-# 8M rows, 1/16 host cache, 2 cores (steps of a profile, alternating): 1/8 37-38 ms a step, 1/16 40-46,
-# 1/4 42-43 (rows freed early sit empty: 2.6% more reads), 1/32 42-46; the rows read alike at 1/8 and 1/16.
+# 8M rows, 1/16 host cache, 2 cores (profile runs, alternating): 1/8 36.7-40.7 ms a step, 1/16 39.0-48.0,
+# 1/4 42.6-43.4 (rows freed early sit empty: 2.6% more reads), 1/32 42.4-45.7; rows read alike at 1/8 and 1/16.
 EVICT_FRACTION = 8
 WRITE_ROWS = 1 << 14  # rows per write-back batch
 
