@@ -19,8 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from cachedemb.kernels.native import load_c
+from cachedemb.storage.format import PAGE
 
 _SOURCE = Path(__file__).with_name("rowio.c")
+_COPY_BUF = 64 << 10  # as rowio.c's COPY_BUF
 _lib = None
 _tried = False
 
@@ -123,13 +125,9 @@ def copy_paged(fd: int, src: int, dst: int, length: int) -> bool:
     return True
 
 
-_PAGE = 4096
-_COPY_BUF = 64 << 10
-
-
 def _write_paged(fd: int, view: memoryview, off: int) -> None:
     """rowio.c's write_paged: one call under two pages, else pieces ending at page boundaries."""
     while view.nbytes:
-        piece = view.nbytes if view.nbytes < 2 * _PAGE else _PAGE - off % _PAGE
+        piece = view.nbytes if view.nbytes < 2 * PAGE else PAGE - off % PAGE
         put = os.pwritev(fd, [view[:piece]], off)
         view, off = view[put:], off + put

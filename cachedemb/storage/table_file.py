@@ -4,7 +4,8 @@ Reads and writes are batched and sorted by file offset; runs of adjacent records
 (`rowio`: a loop in C under one GIL-free ctypes call, or `os.preadv` / `os.pwritev` in Python), and the calls run
 on worker threads: reads on up to `io_threads` workers, writes on `write_threads` (default: one per four cores, at
 most `io_threads // 2`, at least one), each writer owning the chunks c = k mod writers, so every row's writes land
-in submission order.
+in submission order. A written record costs ~1.5 us of kernel time (the page dirtied), so one writer caps the rows
+written per second; on a machine with few cores more writers only take turns with the training thread.
 
 A read is split over the readers only while the file's records come from the disk (lately more than
 `COLD_SHARE` of the records read needed a page from the storage layer: the reading thread's block input,
@@ -12,9 +13,7 @@ getrusage(RUSAGE_THREAD), which CPU contention does not inflate as it does wall 
 CPU and keep several requests in flight. From a warm page cache a read is CPU work, and parallel parts only take
 turns with the training thread (a 1/16-cache step on 2 cores: 43-45 ms with two or four parts, 38 with one), so
 it goes in one part. A read the caller waits for at once (`here`) gives a share to the caller's own thread either
-way. A written record costs
-~1.5 us of kernel time (the page dirtied), so one writer caps the rows written per second; on a machine with few
-cores more writers only take turns with the training thread.
+way.
 
 A chunk (the rows of one block) that a retained snapshot names is never written: its first write after a commit
 copies the block into a free one (through a 64 KiB buffer), and the live chunk map points there from then on.
