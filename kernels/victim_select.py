@@ -17,28 +17,36 @@ PROTECTED = torch.iinfo(torch.int64).max
 def victim_select_torch(score: torch.Tensor, k: int, host_sizes: bool = False):
     """Reference: the k smallest scores. Returns int64 slots [k], smallest score first (scores are distinct, so
     any exact method gives the same slots). With `host_sizes` (CPU, counts free to read) a large C is first cut
-    down to the scores at or below a threshold estimated from a strided sample, so top-k sorts ~k candidates
-    rather than partitioning all C; a short cut falls back to the plain top-k."""
+    down to the scores at or below a threshold estimated from a strided sample, so ~k candidates are sorted
+    rather than all C partitioned; a short cut falls back to the plain top-k."""
     n = score.numel()
     k = min(int(k), n)
     if host_sizes and n >= _CUT_MIN and 0 < k <= n // 4:
         sample = score[:: n // _CUT_SAMPLE]
         q = min(sample.numel(), int(sample.numel() * k * 1.25 / n) + 16)  # a margin above k/n
-        cand = (score <= torch.kthvalue(sample, q).values).nonzero().squeeze(1)
+        threshold = torch.kthvalue(sample, q).values
+        if score.device.type == "cpu" and not score.requires_grad:
+            # numpy's mask-to-positions is ~3x torch's nonzero on CPU (0.23 vs 0.8 ms over 400k scores)
+            cand = torch.from_numpy(np.flatnonzero(score.contiguous().numpy() <= int(threshold)))
+        else:
+            cand = (score <= threshold).nonzero().squeeze(1)
         if k <= cand.numel() <= n // 2:
             return cand[_k_smallest(score[cand], k)]
     return _k_smallest(score, k)
 
 
 def _k_smallest(score: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions of the k smallest scores, smallest first: `torch.topk(largest=False)`'s, which on CPU a
-    partition then a sort of the k (numpy's) finds ~4x faster (distinct scores: one answer)."""
+    """Positions of the k smallest scores, smallest first: `torch.topk(largest=False)`'s (distinct scores: one
+    answer). On CPU topk is slow: where k is most of the scores (a threshold cut's candidates) one `torch.sort`
+    of them all (~1 ms for 69k at a 5% cache's window, where topk took 2.2 and numpy's argsort 3.1), else numpy's
+    partition, then that sort of the k."""
     n = score.numel()
     if score.device.type != "cpu" or k <= 0 or k >= n or score.requires_grad:
         return torch.topk(score, k, largest=False, sorted=True).indices
-    values = score.contiguous().numpy()
-    part = np.argpartition(values, k - 1)[:k]
-    return torch.from_numpy(part[np.argsort(values[part], kind="stable")]).to(torch.int64)
+    if 2 * k >= n:
+        return torch.sort(score).indices[:k]
+    part = torch.from_numpy(np.argpartition(score.contiguous().numpy(), k - 1)[:k]).to(torch.int64)
+    return part[torch.sort(score[part]).indices]
 
 
 _CUT_MIN = 1 << 17  # below this, a plain top-k

@@ -28,6 +28,7 @@ device flag and takes the gated ranking's k victims.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from cachedemb.kernels.host_nonzero import nonzero_1d
@@ -227,9 +228,8 @@ class VictimPool:
             # A pool of every slot is arange(C) (see _rank): score the whole view, no gathers by slot
             whole = pool.numel() == self.capacity
             score = score_all(policy, protected(None), None) if whole else score_of(policy, pool, protected(pool))
-            n_valid = ((score <= self.bound) & (score < PROTECTED)).sum().reshape(1)
             if exact:
-                if int(n_valid) >= int(n_admit):
+                if _count_valid(score, self.bound) >= int(n_admit):
                     victims = pool[kernels.victim_select(score, min(k, pool.numel()), exact)]
                     if not whole:
                         self._prune(pool, score, drop_protected)
@@ -237,6 +237,7 @@ class VictimPool:
             else:
                 # the pool's k1 lowest serve a batch admitting <= k1 while it holds enough scores <= its bound;
                 # else the gated ranking's k victims (k1 and the pool's size stay the last ranking's)
+                n_valid = ((score <= self.bound) & (score < PROTECTED)).sum().reshape(1)
                 k1 = min(self.k1, k)
                 from_pool = pool[kernels.victim_select(score, k1)]
                 from_pool = torch.cat([from_pool, from_pool.new_zeros(k - k1)])
@@ -304,3 +305,11 @@ class VictimPool:
         # a pool smaller than this batch's static bound (CUDA rules): its victims from every slot
         in_batch = torch.where(all_protected, torch.full_like(score, PROTECTED), score)
         return kernels.victim_select(in_batch, k, exact, gate=gate)
+
+
+def _count_valid(score: torch.Tensor, bound: torch.Tensor) -> int:
+    """How many scores are <= `bound` and not protected, read on the host (the exact path): one numpy pass on
+    CPU (the torch expression is three passes and a sum, ~0.7 ms over a 400k-slot cache)."""
+    if score.device.type == "cpu" and score.dtype == torch.int64 and not score.requires_grad:
+        return int(np.count_nonzero(score.contiguous().numpy() <= min(int(bound), PROTECTED - 1)))
+    return int(((score <= bound) & (score < PROTECTED)).sum())
