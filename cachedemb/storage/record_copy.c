@@ -17,7 +17,10 @@ void cemb_record_copy(uint8_t *records, int64_t rec, int64_t n, const int64_t *r
             int64_t ahead = order ? rows[order[i + AHEAD]] : rows[i + AHEAD];
             for (int64_t f = 0; f < nf; f++) {
                 const uint8_t *field = (const uint8_t *)(intptr_t)base[f] + ahead * stride[f];
-                for (int64_t o = 0; o < len[f]; o += 64) __builtin_prefetch(field + o, !to_records, 0);
+                for (int64_t o = 0; o < len[f]; o += 64) {
+                    if (to_records) __builtin_prefetch(field + o, 0, 0);
+                    else __builtin_prefetch(field + o, 1, 0);
+                }
             }
         }
         int64_t row = order ? rows[order[i]] : rows[i];
