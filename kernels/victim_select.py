@@ -44,9 +44,9 @@ def _k_smallest(score: torch.Tensor, k: int) -> torch.Tensor:
     if score.device.type != "cpu" or k <= 0 or k >= n or score.requires_grad:
         return torch.topk(score, k, largest=False, sorted=True).indices
     if 2 * k >= n:
-        return torch.sort(score).indices[:k]
+        return torch.sort(score, stable=True).indices[:k]
     part = torch.from_numpy(np.argpartition(score.contiguous().numpy(), k - 1)[:k]).to(torch.int64)
-    return part[torch.sort(score[part]).indices]
+    return part[torch.sort(score[part], stable=True).indices]
 
 
 _CUT_MIN = 1 << 17  # below this, a plain top-k
