@@ -1,4 +1,5 @@
-"""victim_select's CPU k-smallest (a numpy partition, then a sort of the k) equals torch.topk(largest=False)."""
+"""victim_select's CPU k-smallest (one sort of a threshold cut's candidates, or a numpy partition then a sort of the k)
+equals torch.topk(largest=False)."""
 import pytest
 import torch
 
