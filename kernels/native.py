@@ -3,7 +3,8 @@ each call); every caller keeps a Python path for machines without a compiler, an
 
 The library is built once into a per-user cache keyed by the source's hash (about 0.1 s) and shared between
 processes (an atomic rename: concurrent first uses each build, one wins). `CACHEDEMB_NATIVE=0` (or the caller's
-own switch) turns them off.
+own switch) turns them off. Where a compiler is at hand but a helper does not build or load, a RuntimeWarning
+says which (once per process and file): the callers' torch code gives the same results, only slower.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 _LOADED: dict[Path, ctypes.CDLL | None] = {}
@@ -57,10 +59,24 @@ def load_c(source: Path) -> ctypes.CDLL | None:
                                        capture_output=True, timeout=60)
                         os.replace(built, target)
                 lib = ctypes.CDLL(str(target))
-            except (OSError, subprocess.SubprocessError):
+            except (OSError, subprocess.SubprocessError) as error:
                 lib = None
+                _warn_unbuilt(source, cc, error)
     _LOADED[source] = lib
     return lib
+
+
+def _warn_unbuilt(source: Path, cc: str, error: Exception) -> None:
+    """A compiler is here but the helper did not build or load: the results stay the same (the callers run their
+    torch code), only slower, so say so once rather than leave a user to find the step times out of line."""
+    detail = getattr(error, "stderr", None)
+    if isinstance(detail, bytes):
+        detail = detail.decode(errors="replace")
+    lines = [line.strip() for line in (detail or str(error)).splitlines() if line.strip()]
+    first = next((line for line in lines if "error" in line.lower()), lines[0] if lines else str(error))
+    warnings.warn(f"cachedemb: the C helper {source.name} did not build or load with {cc} ({first}); its "
+                  "callers run their torch code instead (the same results, slower). CACHEDEMB_NATIVE=0 turns the "
+                  "C helpers off.", RuntimeWarning, stacklevel=3)
 
 
 class CFunctions:

@@ -32,3 +32,17 @@ def test_c_helper_builds_and_loads(source, tmp_path):
                             str(source)], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
     assert native.load_c(source) is not None
+
+
+def test_a_helper_that_does_not_build_warns_and_its_callers_fall_back(tmp_path, monkeypatch):
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    broken = tmp_path / "broken_helper.c"
+    broken.write_text("int cemb_broken(void) { return undeclared_name; }\n")
+    with pytest.warns(RuntimeWarning, match=r"broken_helper\.c did not build.*undeclared_name"):
+        assert native.load_c(broken) is None
+    assert native.load_c(broken) is None  # answered from the first try: no second build, no second warning
+    fine = tmp_path / "fine_helper.c"
+    fine.write_text("int cemb_fine(void) { return 7; }\n")
+    assert native.load_c(fine).cemb_fine() == 7
