@@ -35,10 +35,10 @@ from cachedemb.storage import rowio
 from cachedemb.tools.traces import zipf_trace
 
 
-def records_per_step(path, rows, dim, cache_rows, spec, fraction, batches, offsets, warmup, steps) -> dict:
+def records_per_step(path, rows, dim, cache_rows, spec, table_bytes, fraction, batches, offsets, warmup,
+                     steps) -> dict:
     """Rows the file-backed module (host cache 1/fraction, prefetch depth 1 horizon 8) reads and writes per step
     once warm; the writes counted after the I/O in flight is drained."""
-    table_bytes = rows * _record_bytes(path)
     emb = cachedemb.CachedEmbeddingBag(rows, dim, mode="sum", cache_rows=cache_rows, optimizer=spec, device="cpu",
                                        storage=cachedemb.FileStorage(path, host_cache_bytes=table_bytes // fraction))
     try:
@@ -57,14 +57,6 @@ def records_per_step(path, rows, dim, cache_rows, spec, fraction, batches, offse
                 "writes": (b["rows_written"] - a["rows_written"]) / steps, "file_step_s": wall}
     finally:
         emb.close()
-
-
-def _record_bytes(path) -> int:
-    table = cachedemb.storage.table_file.TableFile.open(path, writable=False)
-    try:
-        return table.record
-    finally:
-        table.close()
 
 
 class RecordIo:
@@ -165,10 +157,11 @@ def main():
         creator = cachedemb.CachedEmbeddingBag(args.rows, args.dim, mode="sum", cache_rows=cache_rows,
                                                optimizer=spec, device="cpu",
                                                storage=cachedemb.FileStorage(path, host_cache_bytes=64 << 20))
+        table_bytes = args.rows * creator.table.record
         creator.close()
         os.sync()
-        counted = records_per_step(path, args.rows, args.dim, cache_rows, spec, args.fraction, batches, offsets,
-                                   args.warmup, args.count_steps)
+        counted = records_per_step(path, args.rows, args.dim, cache_rows, spec, table_bytes, args.fraction, batches,
+                                   offsets, args.warmup, args.count_steps)
         out["file_backed"] = counted
         print(json.dumps({"file_backed": counted}), flush=True)
         torch.manual_seed(0)
