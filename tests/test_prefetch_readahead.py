@@ -432,6 +432,65 @@ def test_cpu_windows_moved_by_a_host_thread_train_as_without_prefetch(depth):
     assert torch.equal(train(plain, []), train(ahead, []))
 
 
+@pytest.mark.parametrize("policy", ["lookahead", "lru"])  # lru: admitted rows' last use decides
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_cpu_windows_are_planned_on_the_copier_as_they_would_be_inline(depth, policy, monkeypatch):
+    """With overlap on a CPU cache the next window is planned (victims chosen, slot metadata changed) on the copier
+    thread, then moved there, while the current window's batches run; every decision is the one planning it on
+    the training thread makes: the same counters and windows as the pipeline run inline, an
+    eval forward and a freq halving in the middle (both wait for the plan) included; the same table as no
+    prefetch. A loop left early with a plan not started ends cleanly."""
+    from cachedemb.cache.embedding_cache import EmbeddingCache
+
+    batches = mixed_batches(300, 40, seed=depth + 40)
+    planned_on = []
+    real = EmbeddingCache.plan_window
+
+    def recording(self, *args, **kwargs):
+        planned_on.append(threading.current_thread().name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(EmbeddingCache, "plan_window", recording)
+    probe = torch.arange(300)
+    runs = []
+    for threaded in (True, False):
+        torch.manual_seed(0)
+        emb = cachedemb.CachedEmbeddingBag(300, 4, mode="sum", cache_rows=60, device="cpu", freq_halflife=7,
+                                           optimizer=optim.Adagrad(lr=0.1))
+        planned_on.clear()
+        pipe = Prefetcher(batches, [emb], depth=depth, horizon=8, overlap=True, threaded=threaded, policy=policy)
+        evals = []
+        for i, (ids, offsets) in enumerate(pipe):
+            emb(ids, offsets).pow(2).sum().backward()
+            if i % 9 == 4:
+                with torch.no_grad():
+                    evals.append(emb(probe, torch.arange(300)))
+        stats = emb.cache_stats()
+        runs.append((emb.weight.detach().clone(), evals, {k: v for k, v in stats.items() if isinstance(v, int)},
+                     pipe.window_batches, list(planned_on)))
+    (w_bg, e_bg, s_bg, win_bg, on_bg), (w_in, e_in, s_in, win_in, on_in) = runs
+    # (a window that does not fit beside the one before it is admitted at its start, on the training thread)
+    assert on_bg.count("cachedemb-window-copy") >= len(on_bg) // 2 >= 3
+    assert set(on_in) == {"MainThread"}
+    assert torch.equal(w_bg, w_in) and all(torch.equal(a, b) for a, b in zip(e_bg, e_in))
+    assert s_bg == s_in and win_bg == win_in
+    # (the per-batch history may differ in when a window's admission counts: planned on the copier, at its start)
+    torch.manual_seed(0)
+    plain = cachedemb.CachedEmbeddingBag(300, 4, mode="sum", cache_rows=60, device="cpu", freq_halflife=7,
+                                         optimizer=optim.Adagrad(lr=0.1))
+    assert torch.equal(w_bg, train(plain, batches))
+    # leaving the loop right after a boundary (the next window deferred, not started) plans nothing more
+    emb = make(cache_rows=60)
+    loop = iter(cachedemb.prefetch(batches, [emb], depth=depth, horizon=8))
+    for i, (ids, offsets) in enumerate(loop):
+        if i == 2 * depth:
+            break
+        emb(ids, offsets).pow(2).sum().backward()
+    loop.close()
+    assert not window_copy_threads()
+    assert emb.cache._deferred is None and emb.cache._background is None and not emb.cache._windows
+
+
 def test_a_window_copy_in_flight_is_not_taken_for_an_outside_holder_of_the_table():
     """A copy in flight holds views of the host table for a moment; the forward counts the table's holders before
     the copy starts, so a pipeline that moves rows meanwhile never switches the module to write-through."""

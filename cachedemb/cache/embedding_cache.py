@@ -18,9 +18,10 @@ sync. On CPU the counts are read on the host (free there) to skip work, except i
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -101,6 +102,22 @@ class WindowPlan:
     done: object = None
 
 
+@dataclass
+class BackgroundPlan:
+    """A window planned and moved on a host thread while the window before it is in use (CPU, counts on the host:
+    `EmbeddingCache.plan_in_background`). `run` plans and moves it and sets `plan` (None: nothing was planned);
+    the bumps of the cache's counters it made wait in `stats` until the training thread takes the plan."""
+
+    run: object  # callable(), run once: on the host thread, or on the training thread if nothing started it
+    plan: WindowPlan | None = None
+    stats: list = field(default_factory=list)
+    done: object = None  # the host thread's future, once started
+
+
+# The cache a background window plan is being made for on this thread, and where its counter bumps wait.
+_PLANNING = threading.local()
+
+
 def state_dtype(table_dtype: torch.dtype) -> torch.dtype:
     """Optimizer state is kept in the accumulation dtype: float64 for a float64 table, else float32."""
     return torch.float64 if table_dtype == torch.float64 else torch.float32
@@ -169,6 +186,7 @@ class EmbeddingCache:
         self.train_batches = 0
         self._pending = None  # a window transfer still running (CUDA event of a side stream, or a CPU future)
         self._deferred = None  # (plan, host thread) of a CPU window transfer not started yet (see transfer_window)
+        self._background: BackgroundPlan | None = None  # the last window planned on a host thread, not yet taken
         # Forwards the prefetch pipeline announced as its window's (all hits); any other forward while a window
         # transfer is in flight waits for it, since the rows it serves from the host may be in transit.
         self.window_forwards_left = 0
@@ -246,6 +264,9 @@ class EmbeddingCache:
 
     def bump_stats(self, **values: torch.Tensor) -> None:
         """Add [1] device counts to the counters, on the device (no host copy of an index: that would sync)."""
+        if getattr(_PLANNING, "cache", None) is self:  # a background window plan: added when it is taken
+            _PLANNING.stats.append(values)
+            return
         for key, value in values.items():
             i = _STAT[key]
             self.stats[i:i + 1].add_(value.reshape(1).to(torch.int64))
@@ -433,10 +454,11 @@ class EmbeddingCache:
         return plan
 
     def plan_window(self, uniq: torch.Tensor, policy: Policy, next_use: SlotNextUse | None = None,
-                    now: int = 0) -> WindowPlan:
+                    now: int = 0, counter: int | None = None) -> WindowPlan:
         """Decide where a window's ids go: victims never come from protected slots (the window in use), slot
         metadata and the index change now, in stream order; the row copies are left to `transfer_window`.
-        The window's slots are protected at once, so nothing else evicts them meanwhile."""
+        The window's slots are protected at once, so nothing else evicts them meanwhile. `counter`: the batch
+        counter the admitted rows' last use is set to (default: the current one)."""
         start = time.perf_counter()
         if self.host_fence is not None:
             self.host_fence(uniq)
@@ -444,13 +466,16 @@ class EmbeddingCache:
         n = uniq.numel()
         if n > self.capacity:
             raise ValueError(f"a window of {n} distinct ids cannot be resident in a cache of {self.capacity}")
-        self.generation += 1
+        background = getattr(_PLANNING, "cache", None) is self
+        if not background:  # a background plan's generation moves on when the training thread takes it
+            self.generation += 1
         if next_use is not None:
             refresh = time.perf_counter()
             self._set_next_use(next_use, now)
             self.seconds["next_use_refresh"] += time.perf_counter() - refresh
         n_uniq = torch.full((1,), n, dtype=torch.int64, device=self.device)
-        loc_u, _, _, n_miss, move = self._place(uniq, n_uniq, policy, transfer=False, window=True)
+        loc_u, _, _, n_miss, move = self._place(uniq, n_uniq, policy, transfer=False, window=True,
+                                                counter=self.batch_counter if counter is None else counter)
         self.bump_stats(windows=torch.ones(1, dtype=torch.int64, device=self.device), window_rows_in=n_miss)
         self._protect(loc_u)
         self._windows.append(loc_u)
@@ -555,6 +580,49 @@ class EmbeddingCache:
         self._window_active = True  # the pipeline's batches up to the next window are all hits
         self.seconds["window_protect"] += time.perf_counter() - start
 
+    def plan_in_background(self, run, worker) -> BackgroundPlan:
+        """Leave a window's planning and row moves to `run` (returns the WindowPlan it made and moved, or None) on
+        the host thread `worker`, started by the next announced forward as a deferred copy is (a CPU cache with
+        counts on the host, its window fitting beside the one in use). Meanwhile the training thread runs the
+        current window's batches: all hits on protected slots, whose rows and metadata the plan never touches
+        (it chooses victims among unprotected slots and serves no row from the host). Its counter bumps are
+        held until `take_background`, the generation moves on there."""
+        bg = BackgroundPlan(None)
+
+        def planned():
+            _PLANNING.cache, _PLANNING.stats = self, bg.stats
+            try:
+                bg.plan = run()
+            finally:
+                _PLANNING.cache = _PLANNING.stats = None
+
+        bg.run = planned
+        self._deferred = (bg, worker)
+        self._background = bg
+        return bg
+
+    def take_background(self, bg: BackgroundPlan) -> WindowPlan | None:
+        """At the planned window's start, on the training thread: the plan, made here if no forward started it,
+        else waited for (its error raised here); its counter bumps added."""
+        if self._deferred is not None and self._deferred[0] is bg:
+            self._deferred = None
+            bg.run()
+        if bg.done is not None:
+            self._await_transfer(bg.done)
+            if self._pending is bg.done:
+                self._pending = None
+        self._absorb_background()
+        self.generation += 1  # the window's locations are new to the batches that follow
+        return bg.plan
+
+    def _absorb_background(self) -> None:
+        """The counter bumps of a background plan that ran to its end (training thread)."""
+        bg, self._background = self._background, None
+        if bg is not None:
+            stats, bg.stats = bg.stats, []
+            for values in stats:
+                self.bump_stats(**values)
+
     def copying_on_host(self) -> bool:
         """Whether a host thread is moving a window's rows now (CPU overlap): it holds views of the host table."""
         return isinstance(self._pending, Future) and not self._pending.done()
@@ -562,7 +630,10 @@ class EmbeddingCache:
     def _start_deferred(self) -> None:
         if self._deferred is not None:
             (plan, worker), self._deferred = self._deferred, None
-            plan.done = worker.submit(self._move_rows, plan.move)
+            if isinstance(plan, BackgroundPlan):
+                plan.done = worker.submit(plan.run, pause=False)
+            else:
+                plan.done = worker.submit(self._move_rows, plan.move)
             self._pending = plan.done
 
     def _await_transfer(self, done) -> None:
@@ -580,10 +651,14 @@ class EmbeddingCache:
         beyond the window in use (a flush, a reload, an unannounced forward, counts halved, ...)."""
         if self._deferred is not None:
             (plan, _), self._deferred = self._deferred, None
-            self._move_rows(plan.move)
+            if isinstance(plan, BackgroundPlan):
+                plan.run()
+            else:
+                self._move_rows(plan.move)
         if self._pending is not None:
             done, self._pending = self._pending, None
             self._await_transfer(done)
+        self._absorb_background()
 
     def _resident_or_dump(self, loc: torch.Tensor) -> torch.Tensor:
         """Cache slots of `loc`; host locations and -1 go to the trailing dump element (two launches: negative
@@ -667,7 +742,8 @@ class EmbeddingCache:
                                    self.slot_freq, self.slot_last_use, self.next_use, self.protected, bound, mark,
                                    scratch, drop_protected)
 
-    def _place(self, uniq, n_uniq, policy: Policy, transfer: bool = True, window: bool = False):
+    def _place(self, uniq, n_uniq, policy: Policy, transfer: bool = True, window: bool = False,
+               counter: int | None = None):
         """Find or admit each of the first n_uniq ids of `uniq`; returns (loc_u, live, n_hit, n_miss, move).
 
         Protected slots and this set's hits are never victims; misses beyond the free slots are served from
@@ -675,8 +751,9 @@ class EmbeddingCache:
         done; the slot metadata is updated either way. `window`: a prefetch window's placement, whose slots (hits
         included) are protected right after, so the victim pool may drop protected candidates. Under the CUDA
         rules this is cachedemb/cache/device_place.py's fixed launch sequence (the same victims in the same
-        order)."""
+        order). `counter`: the batch counter admitted rows take as their last use (default: the current one)."""
         self.slot_epoch += 1
+        counter = self.batch_counter if counter is None else counter
         if not self._early_exit():
             sizes, bufs = device_place.batch(self, policy, uniq.numel(), with_unique=False)
             loc_u, n_hit, n_miss, move = device_place.place_batch(self, uniq, n_uniq, policy, bufs, sizes)
@@ -690,7 +767,7 @@ class EmbeddingCache:
         id_slot = self._use_map()
         c = place_native.native() if dev.type == "cpu" else None
         if c is not None and place_native.fits(id_slot, self.protected, self.slot_ids, self.dirty, self.slot_last_use):
-            placed = self._place_native(c, uniq, n_uniq, policy, transfer, id_slot, window)
+            placed = self._place_native(c, uniq, n_uniq, policy, transfer, id_slot, window, counter)
             if placed is not None:
                 return placed
         live = torch.arange(cap, device=dev) < n_uniq
@@ -749,11 +826,12 @@ class EmbeddingCache:
             self._masked_put(self.slot_ids, miss_dest, miss_ids, n_miss)
             self._masked_put(self.dirty, miss_dest, torch.zeros_like(miss_dest, dtype=torch.bool), n_miss)
             # Admission counts as a use for recency (else a row would inherit its victim's last use).
-            self._masked_put(self.slot_last_use, miss_dest, torch.full_like(miss_dest, self.batch_counter), n_miss)
+            self._masked_put(self.slot_last_use, miss_dest, torch.full_like(miss_dest, counter), n_miss)
             self.bump_stats(evictions=evicted, rows_out=written)
         return loc_u, live, n_hit, n_miss, move
 
-    def _place_native(self, c, uniq, n_uniq, policy: Policy, transfer: bool, id_slot, window: bool = False):
+    def _place_native(self, c, uniq, n_uniq, policy: Policy, transfer: bool, id_slot, window: bool = False,
+                      counter: int | None = None):
         """_place on the host-count path with its bookkeeping in C (cachedemb/cache/place_native.py): the same
         victims, writes and results as the torch code above; None (nothing changed) where an id lies outside the
         map, for the torch code to refuse."""
@@ -775,7 +853,7 @@ class EmbeddingCache:
                                        window)
         loc_u, old_ids, dirty_ids, miss_ids, miss_dest, evicted, written = place_native.commit(
             c, found, self.protected, victims, admit, self.capacity, id_slot, self.slot_ids, self.dirty,
-            self.slot_last_use, self.batch_counter)
+            self.slot_last_use, self.batch_counter if counter is None else counter)
         live = torch.arange(cap) < n
         move = None
         if victims is not None:
@@ -801,7 +879,10 @@ class EmbeddingCache:
             score.scatter_reduce_(0, at, torch.where(newly(), own, torch.full_like(own, PROTECTED)), "amin")
 
         miss_count = self._on_host(n_miss, cap)
-        self._reserve_spare(miss_count)  # the forward gathers the host-served rows (at most the misses) there
+        if getattr(_PLANNING, "cache", None) is not self:
+            # the forward gathers the host-served rows (at most the misses) there; a background window plan serves
+            # none (its window fits beside the one in use) and must not move the rows the training thread uses
+            self._reserve_spare(miss_count)
         if miss_count <= 0:
             return None
         k = max(1, min(miss_count, self.capacity))

@@ -33,8 +33,13 @@ backward has been issued):
    started by the next announced forward once its module has counted who holds the host table (a copy in flight
    holds views of it: a later forward whose count finds an extra holder while a copy runs waits for the copy and
    counts again), and waited for when the window is activated [transfer_wait]; the read-ahead thread starts no
-   task while a copy runs (on a small machine the two would share a core, and the next window waits for the copy). A CPU cache behind a host tier
-   (cachedemb.storage, which stages host rows meanwhile) moves them on this thread at once.
+   task while a copy runs (on a small machine the two would share a core, and the next window waits for the
+   copy). A CPU cache with counts on the host is planned on that thread too (`EmbeddingCache.plan_in_background`:
+   it waits for the next uses there, chooses victims among unprotected slots, which the current window's batches
+   never touch, snapshots the slots for the window after, then moves the rows; its counter bumps and the
+   generation land when the window is activated): the training thread neither plans nor waits for next uses, and
+   every decision is the one planning here would make. A CPU cache behind a host tier (cachedemb.storage, which
+   stages host rows meanwhile) moves them on this thread at once.
 4. hand-off: give each cache this batch's unique ids, and inside a window their slots, if the read-ahead thread
    has them (never waited for): its forward then neither sorts its ids nor looks them up (cache/ahead.py; a CPU
    cache with counts on the host).

@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from contextlib import contextmanager
+from concurrent.futures import CancelledError, Future
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from cachedemb.cache.ahead import AheadBatch, accepts_ahead
-from cachedemb.cache.embedding_cache import EmbeddingCache, SlotNextUse
+from cachedemb.cache.embedding_cache import BackgroundPlan, EmbeddingCache, SlotNextUse
+from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.policy import Policy, resolve
 from cachedemb.prefetch.read_ahead import ReadAhead, Worker
 from cachedemb.prefetch.windows import WindowInfo
@@ -33,24 +36,30 @@ def default_ids(module, batch) -> list[tuple[EmbeddingCache, torch.Tensor]]:
 
 
 class WindowCopier:
-    """The host thread that moves a CPU window's rows during compute; the read-ahead starts no ordered task
-    meanwhile (the next window waits for the copy, the read-ahead has slack). A forward's unique ids still start:
-    a forward is about to take them, and one that finds them not ready computes them itself, with its placement
-    (~3 ms at a 5% cache)."""
+    """The host thread that plans a CPU window and moves its rows during compute; the read-ahead starts no ordered
+    task meanwhile (the next window waits for the copy, the read-ahead has slack). A forward's unique ids still
+    start: a forward is about to take them, and one that finds them not ready computes them itself, with its
+    placement (~3 ms at a 5% cache)."""
 
     def __init__(self, read_ahead: Worker):
         self.read_ahead = read_ahead
         self.worker = Worker(name="cachedemb-window-copy")
 
-    def _run(self, fn, args):
+    @contextmanager
+    def pausing(self):
+        """The read-ahead starts no ordered task inside (a task that waits for the read-ahead waits outside)."""
         self.read_ahead.pause()
         try:
-            return fn(*args)
+            yield
         finally:
             self.read_ahead.resume()
 
-    def submit(self, fn, *args) -> Future:
-        return self.worker.submit(self._run, fn, args)
+    def _run(self, fn, args):
+        with self.pausing():
+            return fn(*args)
+
+    def submit(self, fn, *args, pause: bool = True) -> Future:
+        return self.worker.submit(self._run, fn, args) if pause else self.worker.submit(fn, *args)
 
     def close(self) -> None:
         self.worker.close()
@@ -90,8 +99,11 @@ class Prefetcher:
         self.window_batches: list[int] = []  # batches admitted per window start (0: per-batch path)
         self.current: tuple[WindowInfo, list] | None = None  # the window in use and its per-cache plans
         self.pending = None  # (start, count, plans, unions) of the next window, planned and in flight
-        # window start -> (slot id snapshots, the caches' slot epochs then, their next uses)
+        # window start -> (slot id snapshots, the caches' slot epochs then, their next uses); written by the
+        # training thread and by the copier (a window planned in the background snapshots its caches there)
         self.next_uses: dict[int, tuple[list, list, Future]] = {}
+        self.snapshot_parts: dict[int, list] = {}  # window start -> per cache (snapshot, epoch) taken so far
+        self.lock = threading.Lock()
         self.uniques: dict[int, Future] = {}  # batch -> its forward's unique ids, computed ahead
         self.streams: dict = {}
         self.copier: WindowCopier | None = None  # the host thread moving a CPU window's rows during compute
@@ -176,9 +188,16 @@ class Prefetcher:
     def _start_window(self, start: int) -> None:
         """At a window boundary: switch to the window planned one window ago (its rows were moved meanwhile),
         or admit this window now; then, overlapping, plan and start moving the next one."""
+        with self.lock:  # next uses of windows already planned
+            for stale in [k for k in self.next_uses if k < start]:
+                del self.next_uses[stale]
         if self.pending is not None and self.pending[0] == start:
             _, info, plans = self.pending
             self.pending = None
+            if any(isinstance(plan, BackgroundPlan) for plan in plans):
+                plans = [cache.take_background(plan) for cache, plan in zip(self.caches, plans)]
+                if any(plan is None for plan in plans):
+                    raise RuntimeError("cachedemb.prefetch: a window planned in the background was not planned")
             for cache, plan in zip(self.caches, plans):
                 cache.activate_window(plan)
         else:
@@ -226,6 +245,9 @@ class Prefetcher:
         if not info.count or any(a.numel() + b.numel() > cache.capacity
                                  for a, b, cache in zip(current.unions, info.unions, self.caches)):
             return
+        if self._in_background():
+            self.pending = (start, info, self._plan_in_background(start, info))
+            return
         next_use = self._next_use(start)
         plans = []
         for cache, union, nu in zip(self.caches, info.unions, next_use):
@@ -235,6 +257,34 @@ class Prefetcher:
         self.pending = (start, info, plans)
         self._snapshot(info.end)
 
+    def _in_background(self) -> bool:
+        """Whether the next window is planned on the copier too, not only moved there: every cache a CPU cache
+        with counts on the host whose rows the copier moves."""
+        return bool(self.caches) and all(
+            counts_on_host(cache.device) and isinstance(self._side_stream(cache), WindowCopier) for cache in self.caches)
+
+    def _plan_in_background(self, start: int, info: WindowInfo) -> list[BackgroundPlan]:
+        """Per cache, the window at `start` planned, snapshotted for the window after it and moved on the copier
+        (cache.plan_in_background), started by the next forward: the training thread neither plans it nor waits
+        for its next uses. The decisions are the ones planning it here would make: the plan reads no metadata of
+        the protected window in use, which is all the batches meanwhile touch, and takes the batch counter as
+        it is now."""
+        copier = self._side_stream(self.caches[0])
+        plans = []
+        for c, (cache, union) in enumerate(zip(self.caches, info.unions)):
+            def run(c=c, cache=cache, union=union, counter=cache.batch_counter):
+                try:
+                    uses = self._next_use(start, here=False)  # waits for the read-ahead outside the pause
+                except CancelledError:  # the loop is closing: the read-ahead stopped, nothing was planned
+                    return None
+                with copier.pausing():
+                    plan = cache.plan_window(union, self.policy, uses[c], now=start, counter=counter)
+                    self._snapshot_part(c, cache, info.end)
+                    cache.transfer_window(plan)  # the rows, now, on this thread
+                return plan
+            plans.append(cache.plan_in_background(run, copier))
+        return plans
+
     def _snapshot(self, start: int) -> None:
         """Right after a window's planning: the slots stay as they are until the window starting at `start` is
         planned (its predecessor's batches are all hits), so its next uses are computed meanwhile."""
@@ -242,15 +292,35 @@ class Prefetcher:
             return
         snapshots = [cache.snapshot_slot_ids() for cache in self.caches]
         epochs = [cache.slot_epoch for cache in self.caches]
-        self.next_uses[start] = (snapshots, epochs, self.worker.submit_next_use(start, snapshots))
+        with self.lock:
+            self.next_uses[start] = (snapshots, epochs, self.worker.submit_next_use(start, snapshots))
 
-    def _next_use(self, start: int) -> list[SlotNextUse]:
-        entry = self.next_uses.pop(start, None)
+    def _snapshot_part(self, c: int, cache: EmbeddingCache, start: int) -> None:
+        """Cache c's part of `_snapshot` (a window planned in the background, cache by cache); the next uses are
+        asked for once every cache's part is in."""
+        if self.total is not None and start >= self.total:
+            return
+        part = (cache.snapshot_slot_ids(), cache.slot_epoch)
+        with self.lock:
+            parts = self.snapshot_parts.setdefault(start, [None] * len(self.caches))
+            parts[c] = part
+            if any(p is None for p in parts):
+                return
+            del self.snapshot_parts[start]
+            snapshots = [p[0] for p in parts]
+            self.next_uses[start] = (snapshots, [p[1] for p in parts],
+                                     self.worker.submit_next_use(start, snapshots))
+
+    def _next_use(self, start: int, here: bool = True) -> list[SlotNextUse]:
+        """The next uses for the window at `start`; `here`: on the training thread (the wait is prefetch_wait)."""
+        with self.lock:
+            entry = self.next_uses.get(start)
         if entry is None:  # no snapshot since the last planning (first window, or after per-batch batches)
             self._snapshot(start)
-            entry = self.next_uses.pop(start)
+            with self.lock:
+                entry = self.next_uses[start]
         snapshots, epochs, future = entry
-        uses = self._wait(future)
+        uses = self._wait(future) if here else future.result()
         return [SlotNextUse(ids, u, start, epoch) for (ids, _), u, epoch in zip(snapshots, uses, epochs)]
 
     # ----------------------------------------------------------------- hand-off to the forward
@@ -377,8 +447,8 @@ def prefetch(batches: Iterable, modules: Sequence, depth: int = 4, horizon: int 
     training without it. Batches are read `horizon + 2 * depth` ahead of the one yielded.
 
     A window holds as many batches (<= depth) as fit: one batch may fill a cache, several at most half of it;
-    where not even one batch fits, that batch takes the modules' per-batch path. `overlap` (default: on for CUDA caches) plans each next window
-    while the current one is in use, when both fit in the cache together, and moves its rows on a side stream
-    during the current window's compute.
+    where not even one batch fits, that batch takes the modules' per-batch path. `overlap` (default: on) plans each
+    next window while the current one is in use, when both fit in the cache together, and moves its rows on a
+    side stream during the current window's compute (for a CPU cache a host thread plans and moves it).
     """
     return Prefetcher(batches, modules, depth=depth, horizon=horizon, ids=ids, policy=policy, overlap=overlap)
