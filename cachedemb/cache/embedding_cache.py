@@ -1165,6 +1165,8 @@ class EmbeddingCache:
         return out
 
     def reset_stats(self) -> None:
+        # a window planned in the background before the reset counts before it, as one planned inline would
+        self.settle()
         self.stats.zero_()
         self.history.zero_()
         self.history_batches = 0
