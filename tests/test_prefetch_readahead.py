@@ -389,6 +389,58 @@ def test_read_ahead_errors_surface_in_the_loop_and_end_it(monkeypatch):
         emb(ids, offsets).sum().backward()
 
 
+@pytest.mark.parametrize("fail_at", ["next_use", "plan"])
+def test_a_window_planned_in_the_background_that_fails_ends_the_loop_cleanly(fail_at, monkeypatch):
+    """A window planned on the copier whose next uses fail on the read-ahead thread (or whose own planning fails)
+    raises that error in the loop, and the loop still releases everything: no thread left, no protection, no
+    hand-off; the module trains on in a new loop, equal to a module trained without prefetch."""
+    from cachedemb.cache.embedding_cache import EmbeddingCache
+    from cachedemb.prefetch.read_ahead import ReadAhead
+
+    batches = mixed_batches(300, 24, seed=13, sizes=(5, 15))
+    emb, plain = make(cache_rows=60), make(cache_rows=60)
+    calls = []
+    real_next_use, real_plan = ReadAhead._next_use, EmbeddingCache.plan_window
+
+    def failing_next_use(self, now, snapshots):
+        calls.append(now)
+        if len(calls) == 3:
+            time.sleep(0.05)  # the copier is already waiting for it
+            raise RuntimeError("next uses failed")
+        return real_next_use(self, now, snapshots)
+
+    def failing_plan(self, *args, **kwargs):
+        if threading.current_thread().name == "cachedemb-window-copy":
+            calls.append("plan")
+            if calls.count("plan") == 2:
+                raise RuntimeError("planning failed")
+        return real_plan(self, *args, **kwargs)
+
+    if fail_at == "next_use":
+        monkeypatch.setattr(ReadAhead, "_next_use", failing_next_use)
+    else:
+        monkeypatch.setattr(EmbeddingCache, "plan_window", failing_plan)
+    trained = 0
+    with pytest.raises(RuntimeError, match="failed"):
+        for ids, offsets in cachedemb.prefetch(batches, [emb], depth=2, horizon=4):
+            emb(ids, offsets).sum().backward()
+            plain(ids, offsets).sum().backward()
+            trained += 1
+    assert trained < len(batches)
+    assert not read_ahead_threads() and not window_copy_threads()
+    assert not bool(emb.cache.protected.any()) and emb.cache.ahead is None and not emb.cache._windows
+    assert emb.cache._deferred is None and emb.cache._background is None
+    monkeypatch.setattr(ReadAhead, "_next_use", real_next_use)
+    monkeypatch.setattr(EmbeddingCache, "plan_window", real_plan)
+    rest = batches[trained:]
+    for ids, offsets in cachedemb.prefetch(rest, [emb], depth=2, horizon=4):  # the module trains on
+        emb(ids, offsets).sum().backward()
+    if fail_at == "next_use":  # (a plan that failed half-way may have left its window's slots half-placed)
+        for ids, offsets in rest:
+            plain(ids, offsets).sum().backward()
+        assert torch.equal(train(emb, []), train(plain, []))
+
+
 def test_leaving_the_loop_stops_the_read_ahead_thread():
     emb = make(cache_rows=60)
     for i, (ids, offsets) in enumerate(cachedemb.prefetch(mixed_batches(300, 30, seed=4), [emb], depth=2,

@@ -615,6 +615,13 @@ class EmbeddingCache:
         self.generation += 1  # the window's locations are new to the batches that follow
         return bg.plan
 
+    def drop_background(self) -> None:
+        """A prefetch loop ending: a window to be planned in the background that no forward started is dropped
+        (it changed nothing yet; making it now would only admit rows for a window that never comes)."""
+        if self._deferred is not None and isinstance(self._deferred[0], BackgroundPlan):
+            self._deferred = None
+            self._background = None
+
     def _absorb_background(self) -> None:
         """The counter bumps of a background plan that ran to its end (training thread)."""
         bg, self._background = self._background, None
@@ -657,7 +664,11 @@ class EmbeddingCache:
                 self._move_rows(plan.move)
         if self._pending is not None:
             done, self._pending = self._pending, None
-            self._await_transfer(done)
+            try:
+                self._await_transfer(done)
+            except BaseException:
+                self._background = None  # a background plan that failed: nothing of it to count
+                raise
         self._absorb_background()
 
     def _resident_or_dump(self, loc: torch.Tensor) -> torch.Tensor:

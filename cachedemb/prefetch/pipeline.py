@@ -409,9 +409,14 @@ class Prefetcher:
                 return
             if self.worker is not None:
                 self.worker.close()
+            failure = None  # a window planned in the background that failed: raised once everything is released
             for cache in self.caches or []:
                 if getattr(cache, "prefetch_owner", None) in (self, None):
-                    cache.settle()  # a window's rows still being moved by the copier
+                    cache.drop_background()  # one no forward started changed nothing: it is not made now
+                    try:
+                        cache.settle()  # a window's rows still being moved (or planned) by the copier
+                    except BaseException as error:  # noqa: BLE001 -- the release below must still run
+                        failure = failure or error
             if self.copier is not None:
                 self.copier.close()
                 self.copier = None
@@ -423,6 +428,9 @@ class Prefetcher:
                 cache.release_window()  # also unprotects a window planned ahead (overlap), never activated
                 cache.prefetch_owner = None
             self.pending = None
+            read_ahead_failed = self.worker.worker.failed if self.worker is not None else None
+            if failure is not None and failure is not read_ahead_failed and not isinstance(failure, CancelledError):
+                raise failure  # (a read-ahead error is the loop's own, raised where it was met)
             if not self.refused:
                 self._notify("on_prefetch_end")
 
