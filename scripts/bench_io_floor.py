@@ -10,9 +10,12 @@ read and write that many records of the same table file per step (random rows, s
 each step waiting for its I/O as the tier's step waits for its misses and write-backs. Per
 mode: reads only, writes only, both; the median block ratio to the in-memory step, and each thread's CPU time
 per step (the kernel's per-record cost and the CPU-throughput floor: all CPU work of a step spread over the
-cores).
+cores). `--log-writes` adds the modes a log-structured file would have: the step's written records appended to
+a log beside the table (sequential `pwrite`s of 256 KiB) instead of written in place, with and without the
+reads, each next to a mode writing in place in the same run.
 
     OMP_NUM_THREADS=1 python scripts/bench_io_floor.py --dir /tmp/io --out benchmarks/results/io_floor.json
+    OMP_NUM_THREADS=1 python scripts/bench_io_floor.py --dir /tmp/io --log-writes --out ...
 """
 from __future__ import annotations
 
@@ -59,9 +62,13 @@ def records_per_step(path, rows, dim, cache_rows, spec, table_bytes, fraction, b
         emb.close()
 
 
+LOG_PIECE = 1 << 18  # bytes a log append writes per call
+
+
 class RecordIo:
     """One step's record I/O on the table file: `n` random rows read or written, each a `pread`/`pwrite` of one
-    record at its offset, sorted by offset; the CPU seconds of each kind counted."""
+    record at its offset, sorted by offset, or appended to a log file (`append`); the CPU seconds of each kind
+    counted."""
 
     def __init__(self, path, rows: int, seed: int = 1):
         self._table = cachedemb.storage.table_file.TableFile.open(path, writable=False)
@@ -69,7 +76,10 @@ class RecordIo:
         self.fd = os.open(path, os.O_RDWR)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
         self.rows, self.rng = rows, np.random.default_rng(seed)
-        self.cpu = {"read": 0.0, "write": 0.0}
+        self.cpu = {"read": 0.0, "write": 0.0, "append": 0.0}
+        self.log_path = f"{path}.log"
+        self.log_fd = os.open(self.log_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.log_end = 0
 
     def job(self, kind: str, n: int) -> None:
         start = time.thread_time()
@@ -79,21 +89,28 @@ class RecordIo:
         buf = np.zeros(ids.size * self.record, np.uint8)
         if kind == "read":
             rowio.pread_spans(self.fd, offsets, spans, self.record, buf)
+        elif kind == "append":  # the records packed in id order at the log's end, as a log-structured write-back
+            view = memoryview(buf)
+            for at in range(0, len(view), LOG_PIECE):
+                self.log_end += os.pwrite(self.log_fd, view[at: at + LOG_PIECE], self.log_end)
         else:
             rowio.pwrite_spans(self.fd, offsets, spans, self.record, buf)
         self.cpu[kind] += time.thread_time() - start
 
     def close(self) -> None:
         os.close(self.fd)
+        os.close(self.log_fd)
+        os.unlink(self.log_path)
         self._table.close()
 
 
 def floor_mode(mem, io: RecordIo, batches, offsets, start: int, reads: int, writes: int, rounds: int,
-               block: int) -> dict:
-    """Alternating blocks: the in-memory step alone, then with `reads` and `writes` records of I/O per step."""
+               block: int, write_kind: str = "write") -> dict:
+    """Alternating blocks: the in-memory step alone, then with `reads` and `writes` records of I/O per step (the
+    writes in place, or appended to the log: `write_kind` "append")."""
     pool = ThreadPoolExecutor(2)
     alone, beside, main_cpu = [], [], 0.0
-    io.cpu = {"read": 0.0, "write": 0.0}
+    io.cpu = {"read": 0.0, "write": 0.0, "append": 0.0}
     at = start
     try:
         for _ in range(rounds):
@@ -106,7 +123,7 @@ def floor_mode(mem, io: RecordIo, batches, offsets, start: int, reads: int, writ
             t, c = time.perf_counter(), time.thread_time()
             for ids in chunk:
                 jobs = ([pool.submit(io.job, "read", reads)] if reads else []) + \
-                       ([pool.submit(io.job, "write", writes)] if writes else [])
+                       ([pool.submit(io.job, write_kind, writes)] if writes else [])
                 mem(ids, offsets).sum().backward()
                 for j in jobs:
                     j.result()
@@ -116,13 +133,13 @@ def floor_mode(mem, io: RecordIo, batches, offsets, start: int, reads: int, writ
         pool.shutdown()
     steps = rounds * block
     ratios = [b / a for a, b in zip(alone, beside)]
-    return {"reads_per_step": reads, "writes_per_step": writes,
+    return {"reads_per_step": reads, "writes_per_step": writes, "writes_as": write_kind,
             "memory_step_s": statistics.median(alone), "with_io_step_s": statistics.median(beside),
             "ratio_to_memory": statistics.median(ratios), "ratios": [round(x, 3) for x in ratios],
             "cpu_ms_per_step": {"training": 1e3 * main_cpu / steps, "read": 1e3 * io.cpu["read"] / steps,
-                                "write": 1e3 * io.cpu["write"] / steps},
+                                "write": 1e3 * io.cpu[write_kind] / steps},
             "us_per_record": {"read": 1e6 * io.cpu["read"] / max(1, steps * reads),
-                              "write": 1e6 * io.cpu["write"] / max(1, steps * writes)}}
+                              "write": 1e6 * io.cpu[write_kind] / max(1, steps * writes)}}
 
 
 def main():
@@ -136,10 +153,15 @@ def main():
     p.add_argument("--block", type=int, default=5)
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--machine", default="CPU-only dev box, 2 cores, shared")
+    p.add_argument("--log-writes", action="store_true",
+                   help="also time the writes appended to a log (a log-structured file's write-back)")
     p.add_argument("--out")
     args = p.parse_args()
     torch.set_num_threads(1)
-    modes = [("reads", True, False), ("writes", False, True), ("reads+writes", True, True)]
+    modes = [("reads", True, False, "write"), ("writes", False, True, "write"), ("reads+writes", True, True, "write")]
+    if args.log_writes:
+        modes += [("writes appended", False, True, "append"), ("reads+writes appended", True, True, "append"),
+                  ("reads+writes", True, True, "write")]
     need = args.warmup + args.count_steps + 8 + 1 + args.warmup + len(modes) * args.rounds * args.block
     trace = zipf_trace(args.rows, 4096 * 26, need, 1.05, seed=0)
     batches = [torch.from_numpy(b).to(torch.int64) for b in trace]
@@ -173,9 +195,9 @@ def main():
         start += args.warmup
         io = RecordIo(path, args.rows)
         try:
-            for name, r, w in modes:
+            for name, r, w, kind in modes:
                 result = floor_mode(mem, io, batches, offsets, start, round(counted["reads"]) if r else 0,
-                                    round(counted["writes"]) if w else 0, args.rounds, args.block)
+                                    round(counted["writes"]) if w else 0, args.rounds, args.block, kind)
                 start += args.rounds * args.block
                 cpu = result["cpu_ms_per_step"]
                 # all the CPU work of a step spread over every core: no schedule does better
@@ -185,7 +207,7 @@ def main():
                 print(json.dumps(result), flush=True)
         finally:
             io.close()
-        out["file_backed_ratio_estimate"] = counted["file_step_s"] / out["modes"][-1]["memory_step_s"]
+        out["file_backed_ratio_estimate"] = counted["file_step_s"] / out["modes"][2]["memory_step_s"]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.out:
