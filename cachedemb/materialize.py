@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cachedemb.device import exact_device
 from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 
@@ -61,7 +62,7 @@ def materialize(model: nn.Module, device=None) -> nn.Module:
     when there is one, else CPU; host tables in host memory), in module order. Returns `model`."""
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
+    device = exact_device(device)
     if device.type == "meta":
         raise ValueError("materialize(model, device): device must be a real device (cpu, cuda), got meta")
     for _, module, cached in meta_walk(model):

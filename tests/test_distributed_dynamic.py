@@ -39,7 +39,7 @@ TABLES = {  # name: (mode, optimizer, DynamicIds, padding_idx, per-sample weight
 
 
 def _bag(name, mode, optimizer, cfg, padding_idx, cache_rows=8):
-    return _reference(DynamicEmbeddingBag(None, D, mode=mode, optimizer=optimizer(), dynamic=cfg,
+    return _reference(DynamicEmbeddingBag(None, D, device="cpu", mode=mode, optimizer=optimizer(), dynamic=cfg,
                                           padding_idx=padding_idx, cache_rows=cache_rows))
 
 
@@ -132,9 +132,9 @@ def _job(rank: int, world: int):
     # on this rank's ids of the global batches (sum pooling, loss linear in the output: rows' gradients do not
     # depend on other rows).
     cfg = DynamicIds(capacity=8, on_full="evict_lfu", seed=9)
-    small = shard(DynamicEmbeddingBag(None, D, mode="sum", optimizer=cachedemb.optim.Adagrad(lr=0.2), dynamic=cfg,
+    small = shard(DynamicEmbeddingBag(None, D, device="cpu", mode="sum", optimizer=cachedemb.optim.Adagrad(lr=0.2), dynamic=cfg,
                                       cache_rows=4))
-    alone = _reference(DynamicEmbeddingBag(None, D, mode="sum", optimizer=cachedemb.optim.Adagrad(lr=0.2),
+    alone = _reference(DynamicEmbeddingBag(None, D, device="cpu", mode="sum", optimizer=cachedemb.optim.Adagrad(lr=0.2),
                                            dynamic=DynamicIds(capacity=4, on_full="evict_lfu", seed=9), cache_rows=4))
     for step in range(STEPS):
         sizes, ids, offsets, lengths, _, target = _global_batch(step, "e", False)
@@ -152,7 +152,7 @@ def _job(rank: int, world: int):
                     f"rank {rank} capacity 4 vs its own ids alone")
 
     # Refusals, named.
-    shared = DynamicEmbeddingBag(None, D, mode="sum", optimizer=cachedemb.optim.SGD(lr=0.1),
+    shared = DynamicEmbeddingBag(None, D, device="cpu", mode="sum", optimizer=cachedemb.optim.SGD(lr=0.1),
                                  dynamic=DynamicIds(capacity=8, unadmitted="shared"))
     with pytest.raises(NotImplementedError, match="unadmitted='shared'"):
         shard(shared)

@@ -28,7 +28,7 @@ class Reference:
 
     def __init__(self, cfg, mode, optimizer, padding_idx=None, rows=2000, **kw):
         self.cfg, self.remap = cfg, NaiveDynamicIds(cfg, padding_idx)
-        self.dense = cachedemb.CachedEmbeddingBag(rows, DIM, mode=mode, optimizer=optimizer, cache_rows=rows,
+        self.dense = cachedemb.CachedEmbeddingBag(rows, DIM, device="cpu", mode=mode, optimizer=optimizer, cache_rows=rows,
                                                   padding_idx=PAD_ROW if padding_idx is not None else None,
                                                   _weight=torch.zeros(rows, DIM), **kw)
 
@@ -72,7 +72,7 @@ def check_rows_equal(dyn, ref):
 
 
 def train_both(cfg, opt_name, mode="sum", steps=40, padding_idx=None, cache_rows=4, eval_every=0, **kw):
-    dyn = cachedemb.CachedEmbeddingBag(None, DIM, mode=mode, dynamic=cfg, optimizer=OPTIMIZERS[opt_name](),
+    dyn = cachedemb.CachedEmbeddingBag(None, DIM, device="cpu", mode=mode, dynamic=cfg, optimizer=OPTIMIZERS[opt_name](),
                                        cache_rows=cache_rows, padding_idx=padding_idx, **kw)
     ref = Reference(cfg, mode, OPTIMIZERS[opt_name](), padding_idx=padding_idx, **kw)
     for step, (ids, offsets, g) in enumerate(batches(steps)):
@@ -120,7 +120,7 @@ def test_ttl_sweeps_bit_equal():
 
 
 def test_admission_at_exactly_min_count():
-    dyn = DynamicEmbeddingBag(None, DIM, mode="sum", dynamic=DynamicIds(capacity=4, min_count=3),
+    dyn = DynamicEmbeddingBag(None, DIM, device="cpu", mode="sum", dynamic=DynamicIds(capacity=4, min_count=3),
                               optimizer=optim.SGD(lr=0.0))
     x = 2 ** 50 + 3
     ids = torch.tensor([x])
@@ -137,7 +137,7 @@ def test_admission_at_exactly_min_count():
 
 
 def test_eval_is_read_only():
-    dyn = DynamicEmbeddingBag(None, DIM, mode="sum", dynamic=DynamicIds(capacity=4, min_count=1),
+    dyn = DynamicEmbeddingBag(None, DIM, device="cpu", mode="sum", dynamic=DynamicIds(capacity=4, min_count=1),
                               optimizer=optim.SGD(lr=0.1))
     ids, offsets = torch.tensor([5, 6]), torch.tensor([0, 1])
     dyn.eval()
@@ -152,7 +152,7 @@ def test_eval_is_read_only():
 
 def test_capacity_boundary_and_deterministic_victims():
     cfg = DynamicIds(capacity=3, on_full="evict_lfu")
-    dyn = DynamicEmbeddingBag(None, DIM, mode="sum", dynamic=cfg, optimizer=optim.SGD(lr=0.1))
+    dyn = DynamicEmbeddingBag(None, DIM, device="cpu", mode="sum", dynamic=cfg, optimizer=optim.SGD(lr=0.1))
     one = torch.tensor([0])
     for raw, times in ((10, 3), (-20, 1), (30, 1)):  # counts 3, 1, 1; -20 and 30 tie on count, -20 older
         for _ in range(times):
@@ -166,7 +166,7 @@ def test_capacity_boundary_and_deterministic_victims():
 def test_returning_id_is_a_never_seen_id():
     cfg = DynamicIds(capacity=2, on_full="evict_lru")
     opt = optim.Adam(lr=0.1)
-    dyn = DynamicEmbeddingBag(None, DIM, mode="sum", dynamic=cfg, optimizer=opt, cache_rows=2)
+    dyn = DynamicEmbeddingBag(None, DIM, device="cpu", mode="sum", dynamic=cfg, optimizer=opt, cache_rows=2)
     one = torch.tensor([0])
     x = 7 << 32
     for _ in range(3):
@@ -287,7 +287,7 @@ def test_state_dict_round_trip_continues_bit_equal(unadmitted):
     state = torch.load(buf, weights_only=True)
     assert torch.equal(state["ids"], torch.sort(torch.tensor(list(ref.remap.admitted())))[0])
     assert int(state["step"]) == 20 and state["counts"].dtype == torch.int64
-    fresh = cachedemb.CachedEmbeddingBag(None, DIM, mode="mean", dynamic=cfg, optimizer=optim.Adam(lr=0.01),
+    fresh = cachedemb.CachedEmbeddingBag(None, DIM, device="cpu", mode="mean", dynamic=cfg, optimizer=optim.Adam(lr=0.01),
                                          cache_rows=3, padding_idx=3)
     fresh.load_state_dict(state)
     for name, value in fresh.state_dict().items():
@@ -321,9 +321,9 @@ def test_export_keyed_equals_eval_forward(mode):
 def test_optimizer_none_is_refused_naming_fused_optimizers():
     cfg = DynamicIds(capacity=4)
     with pytest.raises(ValueError, match=r"fused sparse optimizer \(optimizer=cachedemb.optim.SGD.*got optimizer=None"):
-        DynamicEmbeddingBag(None, DIM, dynamic=cfg)
+        DynamicEmbeddingBag(None, DIM, device="cpu", dynamic=cfg)
     with pytest.raises(ValueError, match="export_keyed"):
-        cachedemb.CachedEmbeddingBag(None, DIM, dynamic=cfg, optimizer=None)
+        cachedemb.CachedEmbeddingBag(None, DIM, device="cpu", dynamic=cfg, optimizer=None)
     from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection
     from cachedemb.collection.table_config import TableConfig
     with pytest.raises(ValueError, match="got optimizer=None"):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cachedemb.device import exact_device
 from cachedemb import kernels
 from cachedemb.cache.ahead import AheadBatch, take_ahead
 from cachedemb.cache.host_memory import host_empty, pinned_copy
@@ -141,10 +142,10 @@ class EmbeddingCache:
             raise ValueError(f"the id index packs ids < 2^33 and slots < 2^30, got a table of {num_rows} rows and "
                              f"a cache of {capacity}: shard the table")
         self.num_rows, self.dim, self.capacity = num_rows, dim, int(capacity)
-        self.device = torch.device(device)
+        self.device = exact_device(device)
         self.dtype = host_weight.dtype
         self.policy: Policy = resolve(policy)
-        self.host_weight = host_weight
+        self.host_weight = self._readable(host_weight)
         self.host_states: dict[str, torch.Tensor] = {}
         for name, (cols, init) in state_layout.items():
             state = pinned_empty((num_rows, cols), state_dtype(self.dtype))
@@ -1046,13 +1047,20 @@ class EmbeddingCache:
             self.id_slot = id_slot
         self.num_rows = num_rows
 
+    def _readable(self, host_weight: torch.Tensor) -> torch.Tensor:
+        """The host table as the row copies read it: a CUDA cache's kernels read host rows in place, which only
+        pinned memory allows (the modules hand over pinned tables; a plain one is copied once)."""
+        if self.device.type == "cuda" and host_weight.device.type == "cpu" and not host_weight.is_pinned():
+            return pinned_copy(host_weight)
+        return host_weight
+
     def replace_host_table(self, host_weight: torch.Tensor) -> None:
         """Adopt a new host table (same shape; its dtype becomes the cache's, optimizer state following the
         accumulation dtype), re-reading every resident row from it. Dirty rows must be flushed first."""
         if tuple(host_weight.shape) != (self.num_rows, self.dim):
             raise ValueError(f"host table must have shape ({self.num_rows}, {self.dim}), "
                              f"got {tuple(host_weight.shape)}")
-        self.host_weight = host_weight
+        self.host_weight = host_weight = self._readable(host_weight)
         if host_weight.dtype != self.dtype:
             self.dtype = host_weight.dtype
             self._set_rows(torch.zeros_like(self.rows, dtype=self.dtype))
@@ -1117,7 +1125,7 @@ class EmbeddingCache:
     def move_to(self, device: torch.device) -> None:
         """Move the device side; the host table stays where it is (pinned if the target is CUDA)."""
         self.settle()
-        device = torch.device(device)
+        device = exact_device(device)
         if device == self.device:
             return
         self.flush()

@@ -13,12 +13,14 @@ import collections
 
 import torch
 
+from cachedemb.device import exact_device
+
 
 class MissEstimate:
     """The largest of the last `window` miss counts that reached the host."""
 
     def __init__(self, device: torch.device, lag: int = 2, window: int = 64, buffers: int = 16):
-        self.device, self.lag = torch.device(device), int(lag)
+        self.device, self.lag = exact_device(device), int(lag)
         cuda = self.device.type == "cuda"
         self._free = [torch.zeros(1, dtype=torch.int64, pin_memory=cuda) for _ in range(buffers)]
         self._pending: collections.deque = collections.deque()  # (host buffer, event or None, push number)
@@ -43,7 +45,10 @@ class MissEstimate:
         self._pushes += 1
 
     def _fold(self) -> None:
-        """Take in the counts that have landed, oldest first."""
+        """Take in the counts that have landed, oldest first (not while a CUDA graph is captured: an event
+        query is not allowed then, and the captured sizes come from the counts already in)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
         while self._pending:
             host, event, number = self._pending[0]
             landed = event.query() if event is not None else self._pushes - number > self.lag

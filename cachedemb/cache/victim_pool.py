@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cachedemb.device import exact_device
 from cachedemb.kernels.host_nonzero import nonzero_1d
 from cachedemb import kernels
 from cachedemb.kernels import PROTECTED
@@ -55,7 +56,7 @@ class VictimPool:
     def __init__(self, capacity: int, device: torch.device, batches: int = POOL_BATCHES):
         if batches < 0:
             raise ValueError(f"the pool holds >= 0 batches of victims, got {batches}")
-        self.capacity, self.device, self.batches = int(capacity), torch.device(device), int(batches)
+        self.capacity, self.device, self.batches = int(capacity), exact_device(device), int(batches)
         self.slots = torch.empty(0, dtype=torch.int64, device=self.device)  # [P] candidate slots
         self.bound = torch.full((1,), PROTECTED, dtype=torch.int64, device=self.device)
         self.policy = None  # None: invalid, the next choice ranks every slot
@@ -135,7 +136,7 @@ class VictimPool:
         return [self.slots, self.bound, self.state] + extra
 
     def to(self, device) -> None:
-        self.device = torch.device(device)
+        self.device = exact_device(device)
         self.slots, self.bound = self.slots.to(self.device), self.bound.to(self.device)
         self.state = self.state.to(self.device)
         self.ranked = self.state[2:3]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from cachedemb.device import exact_device
 from cachedemb.collection import cache_budget, capture
 from cachedemb.cache.embedding_cache import pinned_empty
 from cachedemb.collection.capture import NotScriptableError, fx_lookup, fx_lookup_live
@@ -345,11 +346,11 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
         """As torchrec: an explicit device, else the default device (`with torch.device(...)`); the plain CPU
         default means CUDA when there is one (where the cache belongs)."""
         if device is not None:
-            return torch.device(device)
+            return exact_device(device)
         default = default_device()
         if default.type != "cpu":
-            return default
-        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+            return exact_device(default)
+        return exact_device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
     def _materialize(self, device: torch.device, initialize: bool) -> None:
         """Allocate the host tables and caches on `device`: initialized as torchrec, or zeroed (to_empty)."""

@@ -100,9 +100,16 @@ def rank_cuda_device() -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
 
 
-def _default_cache_device() -> torch.device:
-    """Where a meta module's shard keeps its cache: this rank's GPU when there is one."""
-    return rank_cuda_device() if torch.cuda.is_available() else torch.device("cpu")
+def exchanges_cuda(group=None) -> bool:
+    """Whether the group's backend exchanges CUDA tensors (NCCL, alone or as the "cuda:nccl" of a device map):
+    a gloo job is a CPU job even on a machine with GPUs."""
+    return "nccl" in str(dist.get_backend(group if group is not None else dist.group.WORLD)).lower()
+
+
+def default_cache_device(group=None) -> torch.device:
+    """Where a meta module's shard keeps its cache: this rank's GPU when there is one and the group exchanges
+    CUDA tensors; else host memory."""
+    return rank_cuda_device() if torch.cuda.is_available() and exchanges_cuda(group) else torch.device("cpu")
 
 
 def prefetch_args(batch) -> tuple:
@@ -166,7 +173,7 @@ class ShardedEmbeddingBag(nn.Module):
         self._owner_ends = torch.tensor([sharding.ranges[r][1] for r in by_row], dtype=torch.int64)
         self._starts = torch.tensor([a for a, _ in sharding.ranges], dtype=torch.int64)
         if device is None:
-            device = module.cache.device if not module.is_meta else _default_cache_device()
+            device = module.cache.device if not module.is_meta else default_cache_device(self.group)
         # A table built on meta with storage=FileStorage(...): this rank's rows live in a file of its own.
         self.on_file = module.is_meta and module.file_storage is not None
         shard = local_shard(module, self.row_start, self.row_end, device, "max" if self.mode == "max" else "sum",
@@ -301,13 +308,14 @@ class ShardedEmbeddingBag(nn.Module):
         if self.mode == "max":
             if per_owner is None:
                 return parts.sum(0)  # one owner saw every lookup: its max pooling is already final
+            per_owner = per_owner.to(parts.device)  # the exchange's device (gloo: host) to the pools'
             masked = parts.masked_fill((per_owner == 0).unsqueeze(-1), float("-inf"))
             best = masked.max(0).values
             return torch.where((per_owner.sum(0) > 0).unsqueeze(-1), best, torch.zeros_like(best))
         pooled = parts.sum(0)
         if self.mode == "mean":
             counts = torch.bincount(bag_of, minlength=n_bags).clamp(min=1)
-            pooled = pooled / counts.unsqueeze(1).to(pooled.dtype)
+            pooled = pooled / counts.unsqueeze(1).to(pooled.device, pooled.dtype)
         return pooled
 
     # ----------------------------------------------------------------- state

@@ -13,7 +13,7 @@ from torch import nn
 
 from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection
 from cachedemb.distributed.plan import ShardingPlan, TableSharding, default_plan
-from cachedemb.distributed.bag import ShardedEmbeddingBag, rank_cuda_device
+from cachedemb.distributed.bag import ShardedEmbeddingBag, exchanges_cuda, rank_cuda_device
 from cachedemb.distributed.collection import ShardedEmbeddingBagCollection
 from cachedemb.distributed.dynamic import gather_dynamic_state_dict, shard_dynamic_tables
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
@@ -155,7 +155,7 @@ def shard(model: nn.Module, plan: ShardingPlan | dict | None = None, process_gro
     extra = sorted(set(plan.tables) - set(tables))
     if extra:
         raise ValueError(f"the plan names {extra}, which are not cached tables of the model (found {sorted(tables)})")
-    device = _local_device(modules)
+    device = _local_device(modules, group)
     # Module order (as materialize()): meta tables and meta dense modules draw their values in turn.
     for path, m in list(model.named_modules()):
         if path in meta_dense:
@@ -184,12 +184,13 @@ def _refuse_built_files(model: nn.Module) -> None:
                              "of its rows, <stem>.rank<r>of<w>.cemb); this one already holds whole-table files")
 
 
-def _local_device(modules) -> torch.device | None:
-    """Each rank's cache on its own GPU (LOCAL_RANK), when the modules' caches were on CUDA."""
+def _local_device(modules, group) -> torch.device | None:
+    """Each rank's cache on its own GPU (LOCAL_RANK), when the modules' caches were on CUDA, or were built on
+    meta and the group exchanges CUDA tensors (NCCL; a gloo job keeps them in host memory)."""
     caches = [b.cache for m in modules.values() for b in (m.bags if isinstance(m, CachedEmbeddingBagCollection)
                                                           else [m])]
     meta = any(isinstance(m, CachedEmbeddingBagCollection) and not m.bags for m in modules.values())
-    if any(c.device.type == "cuda" for c in caches) or (torch.cuda.is_available() and (
+    if any(c.device.type == "cuda" for c in caches) or (torch.cuda.is_available() and exchanges_cuda(group) and (
             meta or any(c.device.type == "meta" for c in caches))):
         return rank_cuda_device()
     return None

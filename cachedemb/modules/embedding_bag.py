@@ -8,6 +8,7 @@ import warnings
 import torch
 from torch import nn
 
+from cachedemb.device import exact_device
 from cachedemb import kernels
 from cachedemb.cache.embedding_cache import BatchPlan, EmbeddingCache, pinned_empty, state_dtype
 from cachedemb.modules.factory import build_dynamic, build_storage
@@ -228,7 +229,7 @@ class CachedEmbeddingBag(nn.Module):
             self._set_table(nn.Parameter(torch.empty((self.num_embeddings, self.embedding_dim), dtype=dtype,
                                                      device="meta"), requires_grad=self._requires_grad))
             return
-        self._build(self._host_table(_weight, dtype, init), device, capacity, policy, freq, stats_history,
+        self._build(self._host_table(_weight, dtype, init, device), device, capacity, policy, freq, stats_history,
                     freq_halflife, warmup_ratio)
         self._init = init
 
@@ -257,11 +258,11 @@ class CachedEmbeddingBag(nn.Module):
     def _resolve_device(device) -> torch.device:
         """An explicit device, else `meta` under `with torch.device("meta")`, else CUDA when there is one."""
         if device is not None:
-            return torch.device(device)
+            return exact_device(device)
         default = default_device()
         if default.type == "meta":
             return default
-        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        return exact_device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
     @property
     def is_meta(self) -> bool:
@@ -324,12 +325,14 @@ class CachedEmbeddingBag(nn.Module):
             raise ValueError("id_freq must be non-negative counts")
         return freq.to(torch.int64).cpu()
 
-    def _host_table(self, weight, dtype, init: TableInit | None = None) -> torch.Tensor:
-        """The full table in host memory, built in place: no transient second copy."""
+    def _host_table(self, weight, dtype, init: TableInit | None = None, device=None) -> torch.Tensor:
+        """The full table in host memory, built in place: no transient second copy. A given CPU table is used
+        as it is (shared, as nn.EmbeddingBag shares `_weight`) unless a CUDA cache must read it pinned."""
         if weight is not None:
             weight = weight.detach()
+            cuda_reads = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
             if weight.device.type == "cpu" and weight.dtype == dtype and weight.is_contiguous() and (
-                    weight.is_pinned() or not torch.cuda.is_available()):
+                    weight.is_pinned() or not cuda_reads):
                 return weight
             host = pinned_empty(tuple(weight.shape), dtype)
             host.copy_(weight)
@@ -627,7 +630,7 @@ class CachedEmbeddingBag(nn.Module):
                                           f"got {param.dtype}")
         if param.device.type == "meta":
             raise InvalidWeightShapeError("weight has no data (a meta tensor): bind a table with values")
-        host = self._host_table(param, param.dtype)
+        host = self._host_table(param, param.dtype, device=self.cache.device)
         copied = host.data_ptr() != param.data_ptr()
         if copied and _storage_users(param) > 2:  # the Parameter + the storage object asked: someone else holds it
             warnings.warn(

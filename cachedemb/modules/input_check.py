@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cachedemb.device import exact_device
 from cachedemb import kernels
 from cachedemb.modules.errors import (InvalidIdError, InvalidInputTypeError, InvalidOffsetsError, NegativeSizeError,
                                       NotAnIntegerError, NotATensorError, UnsupportedModeError)
@@ -93,9 +94,9 @@ def normalize_bag_input(input, offsets, per_sample_weights, *, mode: str, includ
     if per_sample_weights is not None:
         _check_per_sample_weights(per_sample_weights, input, mode, table_dtype)
     if not check_values and count_into is not None and input.dim() in (1, 2) and \
-            (input.dim() == 2) == (offsets is None) and input.device == torch.device(device):
+            (input.dim() == 2) == (offsets is None) and input.device == exact_device(device):
         return _repair_on_device(input, offsets, per_sample_weights, mode, include_last_offset, num_embeddings,
-                                 torch.device(device), padding_idx, count_into)
+                                 exact_device(device), padding_idx, count_into)
     lead = trail = 0
     bad_offsets = last_bag_scale = None
     if input.dim() == 2:

@@ -183,6 +183,8 @@ class DLRM(nn.Module):
             else:
                 self.inter_arch = PlainInteractionArch(num_cat)
             self.over_arch = PlainOverArch(over_in, list(config.over_arch_layer_sizes))
+        if device is None and isinstance(sparse_arch, CachedEmbeddingBagCollection):
+            device = sparse_arch.device  # its default (CUDA when there is one): the dense arches go with it
         if device is not None:
             for arch in (self.dense_arch, self.inter_arch, self.over_arch):
                 arch.to(device)

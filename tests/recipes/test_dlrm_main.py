@@ -70,8 +70,8 @@ def test_plain_torch_arches_equal_torchrec_arches():
 
     config = DLRMConfig(num_dense=3, cat_names=("a", "b", "c"), table_sizes=(11, 7, 5), embedding_dim=4,
                         dense_arch_layer_sizes=(8, 4), over_arch_layer_sizes=(6, 1))
-    ref = DLRM(config, cache_ratio=0.5, use_torchrec=True)
-    plain = DLRM(config, cache_ratio=0.5, use_torchrec=False)
+    ref = DLRM(config, cache_ratio=0.5, use_torchrec=True, device="cpu")
+    plain = DLRM(config, cache_ratio=0.5, use_torchrec=False, device="cpu")
     dense_ref, dense_plain = ref.dense_parameters(), plain.dense_parameters()
     assert [p.shape for p in dense_ref] == [p.shape for p in dense_plain]
     for p, q in zip(dense_ref, dense_plain):

@@ -108,7 +108,7 @@ def test_dcn_model_shapes_and_torchrec_equal():
                         dense_arch_layer_sizes=(8, 4), over_arch_layer_sizes=(6, 1), interaction="dcn",
                         dcn_num_layers=2, dcn_low_rank_dim=5)
     assert config.interaction_out_features() == (3 + 1) * 4
-    plain = DLRM(config, cache_ratio=0.5, use_torchrec=False)
+    plain = DLRM(config, cache_ratio=0.5, use_torchrec=False, device="cpu")
     cross = plain.inter_arch.crossnet
     assert [tuple(p.shape) for p in cross.W_kernels] == [(16, 5)] * 2
     assert [tuple(p.shape) for p in cross.V_kernels] == [(5, 16)] * 2
@@ -118,7 +118,7 @@ def test_dcn_model_shapes_and_torchrec_equal():
     with pytest.raises(ValueError, match="interaction='cross'"):
         DLRMConfig(num_dense=1, cat_names=("a",), table_sizes=(3,), embedding_dim=2, interaction="cross")
     pytest.importorskip("torchrec")
-    ref = DLRM(config, cache_ratio=0.5, use_torchrec=True)
+    ref = DLRM(config, cache_ratio=0.5, use_torchrec=True, device="cpu")
     dense_ref, dense_plain = ref.dense_parameters(), plain.dense_parameters()
     assert [p.shape for p in dense_ref] == [p.shape for p in dense_plain]
     for p, q in zip(dense_ref, dense_plain):

@@ -70,9 +70,9 @@ def test_cached_collection_trains_as_torchrec(data_dir, preset, steps, table_ato
                                                      feature_names=list(t.feature_names)) for t in config.tables()])
     ref = DLRM(config, sparse_arch=ebc, use_torchrec=True)
     torch.manual_seed(0)
-    cached = DLRM(config, cache_ratio=0.01, optimizer=optim.Adagrad(lr=p.lr), use_torchrec=True)
+    cached = DLRM(config, cache_ratio=0.01, optimizer=optim.Adagrad(lr=p.lr), use_torchrec=True, device="cpu")
     torch.manual_seed(0)
-    full = DLRM(config, cache_ratio=1.0, optimizer=optim.Adagrad(lr=p.lr), use_torchrec=True)
+    full = DLRM(config, cache_ratio=1.0, optimizer=optim.Adagrad(lr=p.lr), use_torchrec=True, device="cpu")
     # Same init: the collection draws torchrec's random numbers; checked, then the dense arches shared exactly.
     for name in (t.name for t in config.tables()):
         torch.testing.assert_close(cached.sparse_arch.table_weight(name), ebc.embedding_bags[name].weight,
