@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cachedemb.device import exact_device
+from cachedemb.cache.exact_device import exact_device
 from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 

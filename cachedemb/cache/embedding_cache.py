@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cachedemb.device import exact_device
+from cachedemb.cache.exact_device import exact_device
 from cachedemb import kernels
 from cachedemb.cache.ahead import AheadBatch, take_ahead
 from cachedemb.cache.host_memory import host_empty, pinned_copy

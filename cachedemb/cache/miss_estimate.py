@@ -13,7 +13,7 @@ import collections
 
 import torch
 
-from cachedemb.device import exact_device
+from cachedemb.cache.exact_device import exact_device
 
 
 class MissEstimate:

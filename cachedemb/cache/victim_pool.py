@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cachedemb.device import exact_device
+from cachedemb.cache.exact_device import exact_device
 from cachedemb.kernels.host_nonzero import nonzero_1d
 from cachedemb import kernels
 from cachedemb.kernels import PROTECTED

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from cachedemb.device import exact_device
+from cachedemb.cache.exact_device import exact_device
 from cachedemb.collection import cache_budget, capture
 from cachedemb.cache.embedding_cache import pinned_empty
 from cachedemb.collection.capture import NotScriptableError, fx_lookup, fx_lookup_live

@@ -8,7 +8,7 @@ import warnings
 import torch
 from torch import nn
 
-from cachedemb.device import exact_device
+from cachedemb.cache.exact_device import exact_device
 from cachedemb import kernels
 from cachedemb.cache.embedding_cache import BatchPlan, EmbeddingCache, pinned_empty, state_dtype
 from cachedemb.modules.factory import build_dynamic, build_storage

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cachedemb.device import exact_device
+from cachedemb.cache.exact_device import exact_device
 from cachedemb import kernels
 from cachedemb.modules.errors import (InvalidIdError, InvalidInputTypeError, InvalidOffsetsError, NegativeSizeError,
                                       NotAnIntegerError, NotATensorError, UnsupportedModeError)
