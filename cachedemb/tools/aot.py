@@ -333,6 +333,15 @@ def library_workload(device="cpu", dims=WORKLOAD_DIMS, dtypes=("float32", "bfloa
     freq_src, freq_dst = torch.arange(rows, device=device), torch.zeros(rows, dtype=torch.int64, device=device)
     kernels.row_copy_many([kernels.RowCopy(src, ids, dst, ids), kernels.RowCopy(freq_src, ids, freq_dst, ids)],
                           count)
+    # every slot's score in one launch, per built-in kind (with table ranks for lookahead): the window plans rank
+    # with it where the victim pool scores the whole cache, which the per-batch CUDA path (pool_rank) never does
+    slots = torch.randperm(3000, generator=gen).to(device)
+    freq, last_use = torch.randint(0, 50, (3000,), generator=gen).to(device), torch.arange(3000, device=device)
+    next_use, protected = torch.full((3000,), -1, device=device), torch.zeros(3000, dtype=torch.bool, device=device)
+    for kind in kernels.SCORE_KINDS:
+        tables = ((torch.tensor([0, 1500], device=device), torch.tensor([0, 1], device=device))
+                  if kind == kernels.SCORE_LOOKAHEAD else None)
+        kernels.slot_score_triton(kind, slots, freq, last_use, next_use, protected, tables)
 
 
 def launched_kernels(package: str = "cachedemb.kernels") -> set[str]:

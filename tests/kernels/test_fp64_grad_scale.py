@@ -429,6 +429,10 @@ def test_grad_scale_none_is_todays_result(backend):
                                     host_states, **kwargs)
             results.append((c.rows.cpu(), c.host_rows.cpu(), [s.cpu() for s in cache_states + host_states]))
         (r0, h0, s0), (r1, h1, s1) = results
-        assert torch.equal(r0.nan_to_num(), r1.nan_to_num()) and torch.equal(h0, h1), mode_name
-        assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(s0, s1)), mode_name
+        if backend == "torch" and DEVICE == "cuda":  # the torch reference's CUDA atomics: equal to the rounding
+            for a, b in [(r0, r1), (h0, h1), *zip(s0, s1)]:
+                assert_close(b.nan_to_num(), a.nan_to_num(), 2e-6, 2e-6, mode_name)
+        else:
+            assert torch.equal(r0.nan_to_num(), r1.nan_to_num()) and torch.equal(h0, h1), mode_name
+            assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(s0, s1)), mode_name
 
