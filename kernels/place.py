@@ -291,7 +291,7 @@ def place_commit_triton(keys, uniq, counts, n_uniq, loc_u, bmiss, order, pool, c
     place_commit_kernel[(triton.cdiv(U, block),)](
         keys, uniq, counts, n_uniq, loc_u, bmiss, order, pool, counters, slot_ids, slot_freq, slot_last_use,
         dirty.view(torch.uint8), hit_mark.view(torch.uint8), host_freq, *move, stats, used, U, clock,
-        keys.numel() - 1, TRAIN=train, MAX_P=MAX_PROBE, BLOCK=block, **consts)
+        keys.numel() - 1, TRAIN=train, MAX_P=MAX_PROBE, BLOCK=block, num_warps=8 if block >= 256 else 4, **consts)
 
 
 def place_lookup(keys, uniq, counts, n_uniq, protected, hit_mark, loc_u, bmiss, counters, stats, stat_index, used,

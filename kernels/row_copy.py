@@ -443,8 +443,8 @@ def row_move_triton(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirt
         d2, h2 = _as_rows(d), _as_rows(h)
         args += [d2, h2, d2.shape[1]]
         blocks.append(max(1, min(triton.next_power_of_2(d2.shape[1]), 128)))
-    if gpu_shapes(dev):  # 1024-element tiles: four index vectors stay live across the pairs' loops
-        block_r = max(8, 1024 // max(blocks))
+    if gpu_shapes(dev):  # 1024-element tiles: four index vectors stay live across the pairs' loops (8 warps for
+        block_r = max(8, 1024 // max(blocks))  # two or three pairs: with 4, Triton 3.6 spilled three pairs on sm_90)
     else:  # the interpreter: few, large programs
         block_r = min(4096, max(16, triton.next_power_of_2(cap)))
     grid = (persistent_programs(dev, triton.cdiv(cap, block_r)),)
@@ -453,7 +453,7 @@ def row_move_triton(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirt
                               miss_dest, add if add is not None else old_ids, slot_freq, host_freq,
                               _as_rows(pairs[0][0]).shape[0], _as_rows(pairs[0][1]).shape[0], *args,
                               N_PAIRS=len(pairs), HAS_ADD=add is not None, BLOCK_R=block_r, BD0=blocks[0],
-                              BD1=blocks[1], BD2=blocks[2], num_warps=4)
+                              BD1=blocks[1], BD2=blocks[2], num_warps=8 if len(pairs) > 1 else 4)
 
 
 def row_move(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest, n_miss,

@@ -219,3 +219,21 @@ def test_prefetch_window_step_replays_in_a_cuda_graph():
     graphed.flush()
     assert torch.equal(graphed.cache.host_weight, eager.cache.host_weight)
     assert graphed.cache_stats()["windows"] == eager.cache_stats()["windows"] > 3
+
+
+def test_a_bare_cuda_device_is_kept_with_its_index(monkeypatch):
+    """`device="cuda"` (or the default) names no GPU while the tensors made on it report cuda:N: the caches keep
+    the index, else every `tensor.device == cache.device` silently took its fallback (on the first lent GPU: the
+    unvalidated input's repair on the device, the victim pool's mark, the read-ahead's next uses)."""
+    from cachedemb.kernels import bag_input
+
+    repairs = []
+    real = bag_input.bag_repair_triton
+    monkeypatch.setattr(bag_input, "bag_repair_triton", lambda *a, **k: repairs.append(1) or real(*a, **k))
+    for device in ("cuda", None):
+        emb = cachedemb.CachedEmbeddingBag(1000, 8, mode="sum", cache_rows=100, device=device,
+                                           optimizer=optim.SGD(lr=0.1), validate_inputs=False)
+        assert emb.cache.device == torch.empty(0, device="cuda").device
+        ids, offsets = torch.randint(0, 1000, (64,), device="cuda"), torch.arange(0, 64, 8, device="cuda")
+        emb(ids, offsets).sum().backward()
+    assert len(repairs) == 2  # each forward's input repaired in one launch on the device

@@ -309,6 +309,13 @@ def library_workload(device="cpu", dims=WORKLOAD_DIMS, dtypes=("float32", "bfloa
                                            optimizer=optim.SGD(lr=0.01), validate_inputs=False)
         for ids, offsets in cachedemb.prefetch([batch() for _ in range(4)], [emb], depth=2, horizon=4):
             step(emb, ids, offsets)
+        # a batch of hundreds of distinct ids: the placement's widest blocks (256 on GPUs) and a three-pair row
+        # move with the counts added (Adam: the row and two states), as a production batch launches them
+        emb = cachedemb.CachedEmbeddingBag(4096, dims[0], mode="sum", cache_rows=256, device=device,
+                                           optimizer=optim.Adam(lr=0.01), validate_inputs=False)
+        for _ in range(2):
+            ids = torch.randperm(4096, generator=gen)[:384]
+            step(emb, ids.to(device), torch.arange(0, 384, 8).to(device))
     finally:
         if saved is None:
             os.environ.pop("CACHEDEMB_SYNC_FREE", None)
