@@ -237,3 +237,33 @@ def test_a_bare_cuda_device_is_kept_with_its_index(monkeypatch):
         ids, offsets = torch.randint(0, 1000, (64,), device="cuda"), torch.arange(0, 64, 8, device="cuda")
         emb(ids, offsets).sum().backward()
     assert len(repairs) == 2  # each forward's input repaired in one launch on the device
+
+
+def test_prefetch_on_the_device_read_ahead_equals_the_host_one(monkeypatch):
+    """A CUDA cache's pipeline reads ahead on the GPU by default (device_read_ahead.py): the same outputs, table,
+    windows and counters as with the host read-ahead (CACHEDEMB_READ_AHEAD=host)."""
+    from cachedemb.prefetch import Prefetcher
+    from cachedemb.prefetch.device_read_ahead import DeviceReadAhead
+
+    g = torch.Generator().manual_seed(0)
+    offsets = torch.arange(0, 4096, 8, device="cuda")
+    batches = [(torch.rand(4096, generator=g) ** 3 * 50_000).long() for _ in range(24)]
+    runs = []
+    for where in ("host", "device"):
+        monkeypatch.setenv("CACHEDEMB_READ_AHEAD", where)
+        torch.manual_seed(0)
+        emb = cachedemb.CachedEmbeddingBag(50_000, 16, mode="sum", cache_rows=6000, device="cuda",
+                                           optimizer=optim.Adagrad(lr=0.05), validate_inputs=False)
+        pipe = Prefetcher(batches, [emb], depth=2, horizon=8)
+        outs = []
+        for ids in pipe:
+            out = emb(ids.cuda(), offsets)
+            outs.append(out.detach().clone())
+            out.square().sum().backward()
+        assert isinstance(pipe.worker, DeviceReadAhead) == (where == "device")
+        emb.flush()
+        stats = {k: v for k, v in emb.cache_stats().items() if isinstance(v, int)}
+        runs.append((emb.cache.host_weight.clone(), outs, stats, pipe.window_batches))
+    (w_h, o_h, s_h, win_h), (w_d, o_d, s_d, win_d) = runs
+    assert torch.equal(w_d, w_h) and all(torch.equal(a, b) for a, b in zip(o_d, o_h))
+    assert win_d == win_h and sum(win_h) > 0 and s_d == s_h

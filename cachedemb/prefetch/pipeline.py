@@ -1,6 +1,7 @@
 """`Prefetcher`: the training thread's side of the pipeline (stages, threads and hazards: the package docstring)."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -15,6 +16,7 @@ from cachedemb.cache.ahead import AheadBatch, accepts_ahead
 from cachedemb.cache.embedding_cache import BackgroundPlan, EmbeddingCache, SlotNextUse
 from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.policy import Policy, resolve
+from cachedemb.prefetch.device_read_ahead import DeviceReadAhead
 from cachedemb.prefetch.read_ahead import ReadAhead, Worker
 from cachedemb.prefetch.windows import WindowInfo
 
@@ -25,6 +27,18 @@ IdsFn = Callable[[object], Sequence[torch.Tensor]]
 # query (~13 ms at a 5% cache) and computed its unique ids and placement itself (10 of 40 batches, ~3 ms each).
 UNIQUE_LEAD = 3
 SPAN_SLACK = 2  # batches of uses kept beyond the read-ahead distance
+
+
+def read_ahead_on_device(caches: list[EmbeddingCache]) -> bool:
+    """Whether the read-ahead's id work runs on the caches' devices (device_read_ahead.py): CACHEDEMB_READ_AHEAD
+    = "device" or "host" says; by default on the GPU when every cache is on one (a GPU step is shorter than the
+    host's id work on a batch), on the host for CPU caches (which take the forward hand-off it offers)."""
+    choice = os.environ.get("CACHEDEMB_READ_AHEAD", "").strip().lower()
+    if choice not in ("", "host", "device"):
+        raise ValueError(f"CACHEDEMB_READ_AHEAD={choice!r}: expected 'host' or 'device' (or unset)")
+    if choice:
+        return choice == "device"
+    return bool(caches) and all(c.device.type == "cuda" for c in caches)
 
 
 def default_ids(module, batch) -> list[tuple[EmbeddingCache, torch.Tensor]]:
@@ -91,7 +105,7 @@ class Prefetcher:
         self.threaded = threaded  # False: the read-ahead work runs on this thread (same results, for tests)
         self.buffer: deque = deque()  # (batch number, batch, [host ids per cache])
         self.caches: list[EmbeddingCache] | None = None
-        self.worker: ReadAhead | None = None
+        self.worker: ReadAhead | DeviceReadAhead | None = None
         self.read_count = 0
         self.total: int | None = None  # batches in the source, once it ended
         self.source_error: BaseException | None = None
@@ -127,9 +141,15 @@ class Prefetcher:
 
     def _start_worker(self, caches: list[EmbeddingCache]) -> None:
         self.caches = caches
+        span = self.read_ahead + SPAN_SLACK
+        if read_ahead_on_device(caches):
+            self.handoff = [False] * len(caches)
+            self.worker = DeviceReadAhead([c.capacity for c in caches], [c.device for c in caches], self.depth,
+                                          self.horizon, span=span, threaded=self.threaded)
+            return
         self.handoff = [accepts_ahead(c.device) for c in caches]
-        self.worker = ReadAhead([c.capacity for c in caches], self.depth, self.horizon,
-                                span=self.read_ahead + SPAN_SLACK, locate=any(self.handoff), threaded=self.threaded)
+        self.worker = ReadAhead([c.capacity for c in caches], self.depth, self.horizon, span=span,
+                                locate=any(self.handoff), threaded=self.threaded)
 
     def _read_one(self) -> bool:
         """Read the next batch and hand its ids to the read-ahead thread. An error reading it is kept and

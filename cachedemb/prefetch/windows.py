@@ -47,7 +47,8 @@ def window_limit(capacity: int, count: int) -> int:
 def plan_window(start: int, available: int, trackers: list[NextUseTracker], capacities: list[int], depth: int,
                 locate: bool) -> WindowInfo:
     """The window starting at `start` over the next `available` batches read (at most `depth` taken), per cache
-    c of `capacities[c]` rows whose batches `trackers[c]` holds."""
+    c of `capacities[c]` rows whose batches `trackers[c]` holds (a `NextUseTracker`, or the device read-ahead's
+    `SortedIdsTracker`, which keeps no map positions and so plans windows that locate nothing)."""
     added: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per batch, per cache: (ids, map positions) it adds
     sizes = [0] * len(trackers)
     for k in range(min(available, depth)):
@@ -60,7 +61,7 @@ def plan_window(start: int, available: int, trackers: list[NextUseTracker], capa
                 new = tracker.unused_between(batch, start, batch, window_limit(cap, k + 1) - size)
                 if new is None:
                     break
-                ids, pos = ids.index_select(0, new), pos.index_select(0, new)
+                ids, pos = ids.index_select(0, new), (pos.index_select(0, new) if pos is not None else None)
             fresh.append((ids, pos))
         if len(fresh) < len(trackers):
             break

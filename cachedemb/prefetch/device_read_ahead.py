@@ -1,0 +1,224 @@
+"""The read-ahead's id work on the caches' GPU: for CUDA caches, the same answers as the host read-ahead at a
+small fraction of its cost.
+
+On the host, a batch of 426k ids costs ~25 ms of one core (its sort, the next-use map's update, the window's
+next-use query): on a GPU, whose step takes a few ms, the pipeline waited for it and prefetch made the step ~3x
+slower (benchmarks/results/gpu/). Here each batch's distinct ids are sorted once on the device and kept for the
+horizon (O(horizon x distinct ids) of device memory), and every question is a binary search into those sorted
+arrays, a few launches per batch of the horizon:
+
+- a window's union (`plan_window`, shared with the host path): a batch adds its ids no earlier batch of the
+  window has (`unused_between`), in the batch's ascending order, as the host tracker orders them;
+- next uses (`slot_uses`): each slot id's first batch in [now, now + horizon) whose sorted ids hold it.
+
+The work runs on the read-ahead thread (`read_ahead.Worker`) on a side stream of its own; counts are read there
+(that thread waits, the training thread never does). What leaves the thread (unions, next uses) is copied to
+pinned host memory first, as the host read-ahead hands them over, so no tensor of the side stream's allocator is
+used by another stream. `CACHEDEMB_READ_AHEAD=host|device` chooses the read-ahead (default: device when every
+cache is on CUDA); the device one also runs on CPU tensors, where the tests compare it with the host one.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import Future
+
+import torch
+
+from cachedemb.prefetch.read_ahead import Worker
+from cachedemb.prefetch.windows import plan_window
+
+
+def _member(query: torch.Tensor, sorted_ids: torch.Tensor) -> torch.Tensor:
+    """Whether each query id is in `sorted_ids` (ascending, distinct)."""
+    if sorted_ids.numel() == 0:
+        return torch.zeros_like(query, dtype=torch.bool)
+    at = torch.searchsorted(sorted_ids, query).clamp_(max=sorted_ids.numel() - 1)
+    return sorted_ids.index_select(0, at) == query
+
+
+class SortedIdsTracker:
+    """Each batch's distinct ids, sorted, for the last `span` batches entered: `NextUseTracker`'s questions of the
+    window planner and the policy, answered by binary searches (the same answers)."""
+
+    def __init__(self, span: int):
+        self.span = span
+        self.entered = 0
+        self.ring: dict[int, torch.Tensor] = {}
+
+    def enter(self, batch: int, uniq: torch.Tensor) -> None:
+        """Batch `batch` (its distinct ids, ascending) joins the horizon."""
+        if batch != self.entered:
+            raise ValueError(f"batches enter in order: expected batch {self.entered}, got {batch}")
+        self.ring.pop(batch - self.span, None)
+        self.ring[batch] = uniq
+        self.entered += 1
+
+    def _check(self, lo: int) -> None:
+        if lo < self.entered - self.span:
+            raise ValueError(f"batch {lo} left the tracker's span ({self.span} batches before batch "
+                             f"{self.entered}): query before reading that far ahead, or use a larger span")
+
+    def ring_entry(self, batch: int) -> tuple[torch.Tensor, None]:
+        """(distinct ids, no map positions: windows planned here locate nothing)."""
+        return self.ring[batch], None
+
+    def unused_between(self, batch: int, lo: int, hi: int, budget: int) -> torch.Tensor | None:
+        """Indices (ascending) of `batch`'s distinct ids no batch in [lo, hi) uses, or None when more than
+        `budget` (one count read on this thread)."""
+        self._check(lo)
+        ids = self.ring[batch]
+        used = torch.zeros_like(ids, dtype=torch.bool)
+        for b in range(lo, hi):
+            used |= _member(ids, self.ring[b])
+        fresh = torch.nonzero(~used).reshape(-1)
+        return None if fresh.numel() > max(budget, 0) else fresh
+
+    def slot_uses(self, ids: torch.Tensor, now: int, horizon: int, relative: bool = False) -> torch.Tensor:
+        """Each id's first use among batches [now, now + horizon) entered (absolute, or from `now` when
+        `relative`), -1 for none and for negative ids (empty slots)."""
+        self._check(now)
+        hi = min(now + max(horizon, 0), self.entered)
+        first = torch.full_like(ids, -1)
+        for b in range(hi - 1, now - 1, -1):  # latest first: the earliest batch holding an id writes last
+            first.masked_fill_(_member(ids, self.ring[b]), b - now if relative else b)
+        return first.masked_fill_(ids < 0, -1)
+
+
+class DeviceReadAhead:
+    """`ReadAhead`'s interface (enter, end, windows, next uses) for caches on `devices`; no forward hand-off."""
+
+    def __init__(self, capacities: list[int], devices: list[torch.device], depth: int, horizon: int, span: int,
+                 threaded: bool = True):
+        self.depth, self.horizon = depth, horizon
+        self.capacities, self.devices = list(capacities), list(devices)
+        self.trackers = [SortedIdsTracker(span) for _ in capacities]
+        self.entered = 0
+        self.total: int | None = None
+        self.next_start = 0
+        self.lock = threading.Lock()
+        self.windows: dict[int, Future] = {}
+        self.seconds: list[dict[str, float]] = [defaultdict(float) for _ in capacities]
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.worker = Worker(threaded, name="cachedemb-device-read-ahead")
+
+    # ----------------------------------------------------------------- caller's thread
+    def submit_enter(self, number: int, ids: list[torch.Tensor]) -> Future:
+        """Batch `number`'s ids per cache: host tensors the caller will not change, or device tensors (copied
+        here, in the caller's stream order, so the caller may reuse them)."""
+        staged = []
+        for t in ids:
+            t = t.detach().reshape(-1)
+            event = None
+            if t.device.type == "cuda":
+                t = t.to(torch.int64, copy=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(t.device))
+            staged.append((t, event))
+        return self.worker.submit(self._enter, number, staged)
+
+    def submit_end(self, total: int) -> Future:
+        return self.worker.submit(self._end, total)
+
+    def window_future(self, start: int) -> Future:
+        with self.lock:
+            if start not in self.windows:
+                self.windows[start] = Future()
+            return self.windows[start]
+
+    def submit_unique(self, number: int, ids) -> Future:
+        raise RuntimeError("the device read-ahead hands no unique ids to a forward (CPU caches' hand-off)")
+
+    def submit_next_use(self, now: int, snapshots: list) -> Future:
+        return self.worker.submit(self._next_use, now, snapshots)
+
+    def take_seconds(self) -> list[dict[str, float]]:
+        with self.lock:
+            out, self.seconds = self.seconds, [defaultdict(float) for _ in self.seconds]
+        return out
+
+    def close(self) -> None:
+        self.worker.close()
+        with self.lock:
+            for future in self.windows.values():
+                future.cancel()
+
+    # ----------------------------------------------------------------- worker thread
+    def _stream(self, device: torch.device):
+        """This thread's side stream on a CUDA device (none on CPU)."""
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return torch.cuda.stream(self.streams[device])
+
+    def _time(self, cache: int, stage: str, since: float) -> float:
+        now = time.thread_time()
+        with self.lock:
+            self.seconds[cache][stage] += now - since
+        return now
+
+    @staticmethod
+    def _to_host(t: torch.Tensor) -> torch.Tensor:
+        """A result handed to the training thread: host memory (pinned from a GPU, copied and waited for here)."""
+        if t.device.type != "cuda":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(t.device).synchronize()
+        return host
+
+    def _enter(self, number: int, staged) -> None:
+        for c, ((ids, event), device) in enumerate(zip(staged, self.devices)):
+            start = time.thread_time()
+            with self._stream(device):
+                if event is not None:
+                    torch.cuda.current_stream(device).wait_event(event)
+                uniq = torch.unique(ids.to(device, dtype=torch.int64))  # sorted; its size read on this thread
+                self.trackers[c].enter(number, uniq)
+            self._time(c, "prefetch_unique", start)
+        self.entered = number + 1
+        self._plan_windows()
+
+    def _end(self, total: int) -> None:
+        self.total = total
+        self._plan_windows()
+
+    def _plan_windows(self) -> None:
+        while True:
+            start = self.next_start
+            available = self.entered - start
+            if available <= 0 or (available < self.depth and self.total is None):
+                return
+            began = time.thread_time()
+            with contextlib.ExitStack() as streams:
+                for device in dict.fromkeys(self.devices):
+                    streams.enter_context(self._stream(device))
+                info = plan_window(start, available, self.trackers, self.capacities, self.depth, locate=False)
+                if info.unions is not None:
+                    info.unions = [self._to_host(u) for u in info.unions]
+            for c in range(len(self.capacities)):
+                self._time(c, "prefetch_window_plan", began)
+            self.next_start = info.end
+            future = self.window_future(start)
+            if not future.cancelled():
+                future.set_result(info)
+
+    def _next_use(self, now: int, snapshots: list) -> list[torch.Tensor]:
+        horizon_end = now + self.horizon if self.total is None else min(now + self.horizon, self.total)
+        if self.entered < horizon_end:
+            raise AssertionError(f"next uses from batch {now} need batches up to {horizon_end - 1} read, "
+                                 f"have {self.entered}")
+        out = []
+        for c, ((ids, event), device) in enumerate(zip(snapshots, self.devices)):
+            start = time.thread_time()
+            if event is not None:
+                event.synchronize()
+            with self._stream(device):
+                uses = self.trackers[c].slot_uses(ids.to(device, dtype=torch.int64), now, self.horizon,
+                                                  relative=True)
+                out.append(self._to_host(uses))
+            self._time(c, "prefetch_next_use_query", start)
+        return out
