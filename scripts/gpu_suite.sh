@@ -9,8 +9,9 @@
 # Stages and their time limits (the limits of one stage sum to < 600 s, install included):
 #   tests    the whole test suite: GPU-only tests and the kernels' CUDA cases run    (420 s)
 #   kernels  bench_kernels.py, zero-copy and staged row copies                        (120 + 120 s)
-#   step     bench_embedding_bag.py at 20M rows: 1% cache vs the table in GPU memory,
-#            with prefetch, and step time vs cache rows 50k-4M                    (150 + 150 + 200 s)
+#   step     bench_embedding_bag.py at 20M rows: 1% cache vs the table in GPU memory, with prefetch
+#            (read-ahead on the GPU, then on the host), step time vs cache rows 50k-4M, and
+#            profile_step.py's kernels / host ops / runtime calls       (120 + 90 + 90 + 150 + 90 s)
 #   peers    bench_peers.py at 20M rows, 1% cache: nn.EmbeddingBag in GPU memory, ColossalAI, FBGEMM's UVM
 #            cache, cachedemb with and without prefetch (JSON + PNG); installs the peers' wheels first from
 #            the folders in PEER_WHEELS (default .whl; scripts/fetch_peer_wheels.sh)          (120 + 420 s)
@@ -46,10 +47,12 @@ stage_kernels() {
 
 stage_step() {
     # 1% caches: at 20M rows the 200k-row cache holds a batch's ~135k distinct ids (at 1M rows it cannot).
-    timeout 150 python3 scripts/bench_embedding_bag.py --rows 20000000 --steps 12 --warmup 4 --out "$out/embedding_bag_step.json" 2>&1 | tail -n 12
-    timeout 150 python3 scripts/bench_embedding_bag.py --rows 20000000 --steps 12 --warmup 4 --prefetch 4 --skip-reference --out "$out/embedding_bag_step_prefetch.json" 2>&1 | tail -n 8
+    timeout 120 python3 scripts/bench_embedding_bag.py --rows 20000000 --steps 12 --warmup 6 --out "$out/embedding_bag_step.json" 2>&1 | tail -n 12
+    timeout 90 python3 scripts/bench_embedding_bag.py --rows 20000000 --steps 12 --warmup 6 --prefetch 4 --skip-reference --out "$out/embedding_bag_step_prefetch.json" 2>&1 | tail -n 8
+    CACHEDEMB_READ_AHEAD=host timeout 90 python3 scripts/bench_embedding_bag.py --rows 20000000 --steps 12 --warmup 6 --prefetch 4 --skip-reference --out "$out/embedding_bag_step_prefetch_host_read_ahead.json" 2>&1 | tail -n 8
     # issue 12: per-batch cost follows the batch, not the cache (4M-row cache <= 1.2x the 200k-row one)
-    timeout 200 python3 scripts/bench_embedding_bag.py --rows 20000000 --steps 12 --warmup 4 --batch 4096 --cache-rows 50000 200000 1000000 4000000 --skip-reference --out "$out/embedding_bag_cache_rows.json" 2>&1 | tail -n 8
+    timeout 150 python3 scripts/bench_embedding_bag.py --rows 20000000 --steps 12 --warmup 4 --batch 4096 --cache-rows 50000 200000 1000000 4000000 --skip-reference --out "$out/embedding_bag_cache_rows.json" 2>&1 | tail -n 8
+    timeout 90 python3 scripts/profile_step.py --out "$out/profile_step.json" > "$out/profile_step.log" 2>&1; tail -n 3 "$out/profile_step.log"
 }
 
 stage_peers() {
