@@ -449,10 +449,10 @@ class Prefetcher:
                 cache.prefetch_owner = None
             self.pending = None
             read_ahead_failed = self.worker.worker.failed if self.worker is not None else None
+            if not self.refused:
+                self._notify("on_prefetch_end")  # also when a background plan failed: modules drop what they queued
             if failure is not None and failure is not read_ahead_failed and not isinstance(failure, CancelledError):
                 raise failure  # (a read-ahead error is the loop's own, raised where it was met)
-            if not self.refused:
-                self._notify("on_prefetch_end")
 
     def _notify(self, hook: str) -> None:
         """Modules that act on the batches themselves (a sharded model, whose input all-to-all ran when a batch
