@@ -311,9 +311,8 @@ class Prefetcher:
         if self.total is not None and start >= self.total:
             return
         snapshots = [cache.snapshot_slot_ids() for cache in self.caches]
-        epochs = [cache.slot_epoch for cache in self.caches]
         with self.lock:
-            self.next_uses[start] = (snapshots, epochs, self.worker.submit_next_use(start, snapshots))
+            self._ask_next_uses(start, snapshots, [cache.slot_epoch for cache in self.caches])
 
     def _snapshot_part(self, c: int, cache: EmbeddingCache, start: int) -> None:
         """Cache c's part of `_snapshot` (a window planned in the background, cache by cache); the next uses are
@@ -327,9 +326,11 @@ class Prefetcher:
             if any(p is None for p in parts):
                 return
             del self.snapshot_parts[start]
-            snapshots = [p[0] for p in parts]
-            self.next_uses[start] = (snapshots, [p[1] for p in parts],
-                                     self.worker.submit_next_use(start, snapshots))
+            self._ask_next_uses(start, [p[0] for p in parts], [p[1] for p in parts])
+
+    def _ask_next_uses(self, start: int, snapshots: list, epochs: list) -> None:
+        """Queue the next uses of the window at `start` for these slot snapshots (under `self.lock`)."""
+        self.next_uses[start] = (snapshots, epochs, self.worker.submit_next_use(start, snapshots))
 
     def _next_use(self, start: int, here: bool = True) -> list[SlotNextUse]:
         """The next uses for the window at `start`; `here`: on the training thread (the wait is prefetch_wait)."""
