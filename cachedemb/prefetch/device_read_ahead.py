@@ -20,15 +20,13 @@ cache is on CUDA); the device one also runs on CPU tensors, where the tests comp
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
-from collections import defaultdict
 from concurrent.futures import Future
 
 import torch
 
-from cachedemb.prefetch.read_ahead import Worker
-from cachedemb.prefetch.windows import plan_window
+from cachedemb.prefetch.read_ahead import ReadAheadBase
+from cachedemb.prefetch.windows import WindowInfo, plan_window
 
 
 def _member(query: torch.Tensor, sorted_ids: torch.Tensor) -> torch.Tensor:
@@ -87,22 +85,15 @@ class SortedIdsTracker:
         return first.masked_fill_(ids < 0, -1)
 
 
-class DeviceReadAhead:
+class DeviceReadAhead(ReadAheadBase):
     """`ReadAhead`'s interface (enter, end, windows, next uses) for caches on `devices`; no forward hand-off."""
 
     def __init__(self, capacities: list[int], devices: list[torch.device], depth: int, horizon: int, span: int,
                  threaded: bool = True):
-        self.depth, self.horizon = depth, horizon
-        self.capacities, self.devices = list(capacities), list(devices)
+        super().__init__(capacities, depth, horizon, threaded, name="cachedemb-device-read-ahead")
+        self.devices = list(devices)
         self.trackers = [SortedIdsTracker(span) for _ in capacities]
-        self.entered = 0
-        self.total: int | None = None
-        self.next_start = 0
-        self.lock = threading.Lock()
-        self.windows: dict[int, Future] = {}
-        self.seconds: list[dict[str, float]] = [defaultdict(float) for _ in capacities]
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.worker = Worker(threaded, name="cachedemb-device-read-ahead")
 
     # ----------------------------------------------------------------- caller's thread
     def submit_enter(self, number: int, ids: list[torch.Tensor]) -> Future:
@@ -119,31 +110,8 @@ class DeviceReadAhead:
             staged.append((t, event))
         return self.worker.submit(self._enter, number, staged)
 
-    def submit_end(self, total: int) -> Future:
-        return self.worker.submit(self._end, total)
-
-    def window_future(self, start: int) -> Future:
-        with self.lock:
-            if start not in self.windows:
-                self.windows[start] = Future()
-            return self.windows[start]
-
     def submit_unique(self, number: int, ids) -> Future:
         raise RuntimeError("the device read-ahead hands no unique ids to a forward (CPU caches' hand-off)")
-
-    def submit_next_use(self, now: int, snapshots: list) -> Future:
-        return self.worker.submit(self._next_use, now, snapshots)
-
-    def take_seconds(self) -> list[dict[str, float]]:
-        with self.lock:
-            out, self.seconds = self.seconds, [defaultdict(float) for _ in self.seconds]
-        return out
-
-    def close(self) -> None:
-        self.worker.close()
-        with self.lock:
-            for future in self.windows.values():
-                future.cancel()
 
     # ----------------------------------------------------------------- worker thread
     def _stream(self, device: torch.device):
@@ -153,12 +121,6 @@ class DeviceReadAhead:
         if device not in self.streams:
             self.streams[device] = torch.cuda.Stream(device)
         return torch.cuda.stream(self.streams[device])
-
-    def _time(self, cache: int, stage: str, since: float) -> float:
-        now = time.thread_time()
-        with self.lock:
-            self.seconds[cache][stage] += now - since
-        return now
 
     @staticmethod
     def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -182,43 +144,17 @@ class DeviceReadAhead:
         self.entered = number + 1
         self._plan_windows()
 
-    def _end(self, total: int) -> None:
-        self.total = total
-        self._plan_windows()
+    def _plan(self, start: int, available: int) -> WindowInfo:
+        with contextlib.ExitStack() as streams:
+            for device in dict.fromkeys(self.devices):
+                streams.enter_context(self._stream(device))
+            info = plan_window(start, available, self.trackers, self.capacities, self.depth, locate=False)
+            if info.unions is not None:
+                info.unions = [self._to_host(u) for u in info.unions]
+        return info
 
-    def _plan_windows(self) -> None:
-        while True:
-            start = self.next_start
-            available = self.entered - start
-            if available <= 0 or (available < self.depth and self.total is None):
-                return
-            began = time.thread_time()
-            with contextlib.ExitStack() as streams:
-                for device in dict.fromkeys(self.devices):
-                    streams.enter_context(self._stream(device))
-                info = plan_window(start, available, self.trackers, self.capacities, self.depth, locate=False)
-                if info.unions is not None:
-                    info.unions = [self._to_host(u) for u in info.unions]
-            for c in range(len(self.capacities)):
-                self._time(c, "prefetch_window_plan", began)
-            self.next_start = info.end
-            future = self.window_future(start)
-            if not future.cancelled():
-                future.set_result(info)
-
-    def _next_use(self, now: int, snapshots: list) -> list[torch.Tensor]:
-        horizon_end = now + self.horizon if self.total is None else min(now + self.horizon, self.total)
-        if self.entered < horizon_end:
-            raise AssertionError(f"next uses from batch {now} need batches up to {horizon_end - 1} read, "
-                                 f"have {self.entered}")
-        out = []
-        for c, ((ids, event), device) in enumerate(zip(snapshots, self.devices)):
-            start = time.thread_time()
-            if event is not None:
-                event.synchronize()
-            with self._stream(device):
-                uses = self.trackers[c].slot_uses(ids.to(device, dtype=torch.int64), now, self.horizon,
-                                                  relative=True)
-                out.append(self._to_host(uses))
-            self._time(c, "prefetch_next_use_query", start)
-        return out
+    def _slot_uses(self, c: int, ids: torch.Tensor, now: int) -> torch.Tensor:
+        device = self.devices[c]
+        with self._stream(device):
+            uses = self.trackers[c].slot_uses(ids.to(device, dtype=torch.int64), now, self.horizon, relative=True)
+            return self._to_host(uses)

@@ -22,6 +22,7 @@ on the caller's thread (the same results: the tests compare the two).
 """
 from __future__ import annotations
 
+import abc
 import atexit
 import threading
 import time
@@ -34,7 +35,7 @@ import torch
 from cachedemb.kernels.host_sort import stable_sort
 from cachedemb.kernels.unique_ids import unique_ids_torch
 from cachedemb.prefetch.next_use import NextUseTracker
-from cachedemb.prefetch.windows import plan_window
+from cachedemb.prefetch.windows import WindowInfo, plan_window
 
 
 def to_host(ids: torch.Tensor):
@@ -142,31 +143,24 @@ class Worker:
         _LIVE_WORKERS.discard(self)
 
 
-class ReadAhead:
-    """Worker-thread state for caches of `capacities` rows, windows of up to `depth` batches, next uses over
-    `horizon` batches; `span` batches of uses are kept (the read-ahead distance plus slack). `locate`: find each
-    batch's ids in its window's union (for the forward hand-off)."""
+class ReadAheadBase(abc.ABC):
+    """The plumbing the host and the device read-ahead share: the worker thread, each window planned as soon as
+    its batches are in (a future the training thread waits on), next uses per window snapshot, thread seconds per
+    stage. A subclass enters a batch's ids (`_enter`), plans one window (`_plan`) and answers one snapshot's next
+    uses (`_slot_uses`)."""
 
-    def __init__(self, capacities: list[int], depth: int, horizon: int, span: int, locate: bool,
-                 threaded: bool = True):
-        self.depth, self.horizon, self.locate = depth, horizon, locate
-        self.trackers = [NextUseTracker(None, span) for _ in capacities]
+    def __init__(self, capacities: list[int], depth: int, horizon: int, threaded: bool, name: str):
+        self.depth, self.horizon = depth, horizon
         self.capacities = list(capacities)
         self.entered = 0
         self.total: int | None = None  # batches in the source, once it ended
         self.next_start = 0  # the next window to plan
         self.lock = threading.Lock()
         self.windows: dict[int, Future] = {}
-        self.sorts: dict[int, list] = {}  # batch -> per cache: the permutation of its stable sort (int32) or None
         self.seconds: list[dict[str, float]] = [defaultdict(float) for _ in capacities]
-        self.worker = Worker(threaded)
+        self.worker = Worker(threaded, name=name)
 
     # ----------------------------------------------------------------- caller's thread
-    def submit_enter(self, number: int, ids: list[torch.Tensor]) -> Future:
-        """Batch `number`'s ids per cache (host tensors the caller will not change, or device tensors)."""
-        staged = [to_host(t) for t in ids]
-        return self.worker.submit(self._enter, number, staged)
-
     def submit_end(self, total: int) -> Future:
         return self.worker.submit(self._end, total)
 
@@ -176,11 +170,6 @@ class ReadAhead:
             if start not in self.windows:
                 self.windows[start] = Future()
             return self.windows[start]
-
-    def submit_unique(self, number: int, ids: list[torch.Tensor | None]) -> Future:
-        """Per cache: (ids, unique_ids(ids, None, return_groups=True)) of batch `number`'s host ids (the caller
-        will not change them), or None where ids is None: what that batch's forward computes (urgent)."""
-        return self.worker.submit(self._unique, number, ids, urgent=True)
 
     def submit_next_use(self, now: int, snapshots: list) -> Future:
         """Next uses in [now, now + horizon) of the ids of each snapshot (host ids, CUDA event or None), as
@@ -197,7 +186,6 @@ class ReadAhead:
         with self.lock:
             for future in self.windows.values():
                 future.cancel()
-        self.sorts.clear()
 
     # ----------------------------------------------------------------- worker thread
     def _time(self, cache: int, stage: str, since: float) -> float:
@@ -206,6 +194,81 @@ class ReadAhead:
             self.seconds[cache][stage] += now - since
         return now
 
+    def _end(self, total: int) -> None:
+        self.total = total
+        self._plan_windows()
+
+    def _plan_windows(self) -> None:
+        """Plan every window whose batches were all read (or the source ended)."""
+        while True:
+            start = self.next_start
+            available = self.entered - start
+            if available <= 0 or (available < self.depth and self.total is None):
+                return
+            began = time.thread_time()
+            info = self._plan(start, available)
+            for c in range(len(self.capacities)):
+                self._time(c, "prefetch_window_plan", began)
+            self.next_start = info.end
+            future = self.window_future(start)
+            if not future.cancelled():
+                future.set_result(info)
+
+    def _next_use(self, now: int, snapshots: list) -> list[torch.Tensor]:
+        horizon_end = now + self.horizon if self.total is None else min(now + self.horizon, self.total)
+        if self.entered < horizon_end:
+            raise AssertionError(f"next uses from batch {now} need batches up to {horizon_end - 1} read, "
+                                 f"have {self.entered}")
+        out = []
+        for c, (ids, event) in enumerate(snapshots):
+            start = time.thread_time()
+            if event is not None:
+                event.synchronize()
+            out.append(self._slot_uses(c, ids, now))
+            self._time(c, "prefetch_next_use_query", start)
+        return out
+
+    @abc.abstractmethod
+    def _enter(self, number: int, staged) -> None:
+        """Batch `number`'s staged ids per cache into the trackers; then `_plan_windows`."""
+
+    @abc.abstractmethod
+    def _plan(self, start: int, available: int) -> WindowInfo:
+        """The window starting at `start`, from the `available` batches entered from there."""
+
+    @abc.abstractmethod
+    def _slot_uses(self, c: int, ids: torch.Tensor, now: int) -> torch.Tensor:
+        """Cache c's snapshot ids' next uses from `now` (-1: none), a host tensor of the caller's."""
+
+
+class ReadAhead(ReadAheadBase):
+    """Worker-thread state for caches of `capacities` rows, windows of up to `depth` batches, next uses over
+    `horizon` batches; `span` batches of uses are kept (the read-ahead distance plus slack). `locate`: find each
+    batch's ids in its window's union (for the forward hand-off)."""
+
+    def __init__(self, capacities: list[int], depth: int, horizon: int, span: int, locate: bool,
+                 threaded: bool = True):
+        super().__init__(capacities, depth, horizon, threaded, name="cachedemb-read-ahead")
+        self.locate = locate
+        self.trackers = [NextUseTracker(None, span) for _ in capacities]
+        self.sorts: dict[int, list] = {}  # batch -> per cache: the permutation of its stable sort (int32) or None
+
+    # ----------------------------------------------------------------- caller's thread
+    def submit_enter(self, number: int, ids: list[torch.Tensor]) -> Future:
+        """Batch `number`'s ids per cache (host tensors the caller will not change, or device tensors)."""
+        staged = [to_host(t) for t in ids]
+        return self.worker.submit(self._enter, number, staged)
+
+    def submit_unique(self, number: int, ids: list[torch.Tensor | None]) -> Future:
+        """Per cache: (ids, unique_ids(ids, None, return_groups=True)) of batch `number`'s host ids (the caller
+        will not change them), or None where ids is None: what that batch's forward computes (urgent)."""
+        return self.worker.submit(self._unique, number, ids, urgent=True)
+
+    def close(self) -> None:
+        super().close()
+        self.sorts.clear()
+
+    # ----------------------------------------------------------------- worker thread
     def _enter(self, number: int, staged) -> None:
         sorts = []
         for c, (host, event) in enumerate(staged):
@@ -223,25 +286,11 @@ class ReadAhead:
         self.entered = number + 1
         self._plan_windows()
 
-    def _end(self, total: int) -> None:
-        self.total = total
-        self._plan_windows()
+    def _plan(self, start: int, available: int) -> WindowInfo:
+        return plan_window(start, available, self.trackers, self.capacities, self.depth, self.locate)
 
-    def _plan_windows(self) -> None:
-        """Plan every window whose batches were all read (or the source ended)."""
-        while True:
-            start = self.next_start
-            available = self.entered - start
-            if available <= 0 or (available < self.depth and self.total is None):
-                return
-            began = time.thread_time()
-            info = plan_window(start, available, self.trackers, self.capacities, self.depth, self.locate)
-            for c in range(len(self.capacities)):
-                self._time(c, "prefetch_window_plan", began)
-            self.next_start = info.end
-            future = self.window_future(start)
-            if not future.cancelled():
-                future.set_result(info)
+    def _slot_uses(self, c: int, ids: torch.Tensor, now: int) -> torch.Tensor:
+        return self.trackers[c].slot_uses(ids, now, self.horizon, relative=True)
 
     def _unique(self, number: int, ids: list[torch.Tensor | None]) -> list:
         sorts = self.sorts.pop(number, None)  # None if this ran before the batch's `enter` (urgent tasks go first)
@@ -259,18 +308,4 @@ class ReadAhead:
                 sort = (host.index_select(0, s_perm), s_perm)
             out.append((host, unique_ids_torch(host, None, return_groups=True, sort=sort)))
             self._time(c, "prefetch_forward_unique", start)
-        return out
-
-    def _next_use(self, now: int, snapshots: list) -> list[torch.Tensor]:
-        horizon_end = now + self.horizon if self.total is None else min(now + self.horizon, self.total)
-        if self.entered < horizon_end:
-            raise AssertionError(f"next uses from batch {now} need batches up to {horizon_end - 1} read, "
-                                 f"have {self.entered}")
-        out = []
-        for c, (ids, event) in enumerate(snapshots):
-            start = time.thread_time()
-            if event is not None:
-                event.synchronize()
-            out.append(self.trackers[c].slot_uses(ids, now, self.horizon, relative=True))
-            self._time(c, "prefetch_next_use_query", start)
         return out
