@@ -12,7 +12,7 @@ arrays, a few launches per batch of the horizon:
 - next uses (`slot_uses`): each slot id's first batch in [now, now + horizon) whose sorted ids hold it.
 
 The work runs on the read-ahead thread (`read_ahead.Worker`) on a side stream of its own; counts are read there
-(that thread waits, the training thread never does). What leaves the thread (unions, next uses) is copied to
+through events (that thread waits, the training thread never does; nothing torch's sync debug mode flags). What leaves the thread (unions, next uses) is copied to
 pinned host memory first, as the host read-ahead hands them over, so no tensor of the side stream's allocator is
 used by another stream. `CACHEDEMB_READ_AHEAD=host|device` chooses the read-ahead (default: device when every
 cache is on CUDA); the device one also runs on CPU tensors, where the tests compare it with the host one.
@@ -27,6 +27,35 @@ import torch
 
 from cachedemb.prefetch.read_ahead import ReadAheadBase
 from cachedemb.prefetch.windows import WindowInfo, plan_window
+
+
+def _count(t: torch.Tensor) -> int:
+    """A device count read on this thread through an event, not a stream sync: torch's sync debug mode
+    (`torch.cuda.set_sync_debug_mode("error")`, which a user may set to check the training loop) is global, and
+    flags stream syncs and synchronizing copies on every thread, but not an event wait."""
+    if t.device.type != "cuda":
+        return int(t)
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    event.synchronize()
+    return int(host)
+
+
+def _nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Indices of a 1-D mask's set entries (its count read through `_count`, then a static-size nonzero)."""
+    return torch.nonzero_static(mask, size=_count(mask.sum())).reshape(-1)
+
+
+def _sorted_unique(ids: torch.Tensor) -> torch.Tensor:
+    """The distinct ids, ascending (torch.unique, without its synchronizing size read on a GPU)."""
+    if ids.numel() == 0:
+        return ids.clone()
+    s = torch.sort(ids).values
+    heads = torch.ones_like(s, dtype=torch.bool)
+    torch.ne(s[1:], s[:-1], out=heads[1:])
+    return s.index_select(0, _nonzero(heads))
 
 
 def _member(query: torch.Tensor, sorted_ids: torch.Tensor) -> torch.Tensor:
@@ -71,7 +100,7 @@ class SortedIdsTracker:
         used = torch.zeros_like(ids, dtype=torch.bool)
         for b in range(lo, hi):
             used |= _member(ids, self.ring[b])
-        fresh = torch.nonzero(~used).reshape(-1)
+        fresh = _nonzero(~used)
         return None if fresh.numel() > max(budget, 0) else fresh
 
     def slot_uses(self, ids: torch.Tensor, now: int, horizon: int, relative: bool = False) -> torch.Tensor:
@@ -129,8 +158,20 @@ class DeviceReadAhead(ReadAheadBase):
             return t
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
-        torch.cuda.current_stream(t.device).synchronize()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(t.device))
+        event.synchronize()  # (an event wait: see `_count`)
         return host
+
+    @staticmethod
+    def _on(device: torch.device, ids: torch.Tensor) -> torch.Tensor:
+        """Ids (int64) on `device`; host ids go through pinned memory, so the copy does not synchronize."""
+        ids = ids.to(torch.int64)
+        if device.type != "cuda" or ids.device == device:
+            return ids
+        if not ids.is_pinned():
+            ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids)
+        return ids.to(device, non_blocking=True)
 
     def _enter(self, number: int, staged) -> None:
         for c, ((ids, event), device) in enumerate(zip(staged, self.devices)):
@@ -138,7 +179,7 @@ class DeviceReadAhead(ReadAheadBase):
             with self._stream(device):
                 if event is not None:
                     torch.cuda.current_stream(device).wait_event(event)
-                uniq = torch.unique(ids.to(device, dtype=torch.int64))  # sorted; its size read on this thread
+                uniq = _sorted_unique(self._on(device, ids))
                 self.trackers[c].enter(number, uniq)
             self._time(c, "prefetch_unique", start)
         self.entered = number + 1
@@ -156,5 +197,5 @@ class DeviceReadAhead(ReadAheadBase):
     def _slot_uses(self, c: int, ids: torch.Tensor, now: int) -> torch.Tensor:
         device = self.devices[c]
         with self._stream(device):
-            uses = self.trackers[c].slot_uses(ids.to(device, dtype=torch.int64), now, self.horizon, relative=True)
+            uses = self.trackers[c].slot_uses(self._on(device, ids), now, self.horizon, relative=True)
             return self._to_host(uses)
