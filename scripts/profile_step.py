@@ -47,6 +47,8 @@ def profile_one(args, depth, device):
         wall = (time.perf_counter() - t0) / args.steps
     for _ in it:  # let the pipeline end cleanly
         pass
+    if args.trace:  # every thread's ops and runtime calls and the kernels, for chrome://tracing or Perfetto
+        prof.export_chrome_trace(f"{args.trace}.prefetch{depth}.json")
     kernels = collections.Counter()
     kernel_calls = collections.Counter()
     host = collections.Counter()
@@ -89,6 +91,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--trace", metavar="PREFIX", help="also write each run's Chrome trace to PREFIX.prefetch<K>.json")
     p.add_argument("--out")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
