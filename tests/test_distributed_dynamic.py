@@ -132,7 +132,8 @@ def _job(rank: int, world: int):
     # on this rank's ids of the global batches (sum pooling, loss linear in the output: rows' gradients do not
     # depend on other rows).
     cfg = DynamicIds(capacity=8, on_full="evict_lfu", seed=9)
-    small = shard(DynamicEmbeddingBag(None, D, device="cpu", mode="sum", optimizer=cachedemb.optim.Adagrad(lr=0.2), dynamic=cfg,
+    small = shard(DynamicEmbeddingBag(None, D, device="cpu", mode="sum", optimizer=cachedemb.optim.Adagrad(lr=0.2),
+                                      dynamic=cfg,
                                       cache_rows=4))
     alone = _reference(DynamicEmbeddingBag(None, D, device="cpu", mode="sum", optimizer=cachedemb.optim.Adagrad(lr=0.2),
                                            dynamic=DynamicIds(capacity=4, on_full="evict_lfu", seed=9), cache_rows=4))

@@ -28,7 +28,8 @@ class Reference:
 
     def __init__(self, cfg, mode, optimizer, padding_idx=None, rows=2000, **kw):
         self.cfg, self.remap = cfg, NaiveDynamicIds(cfg, padding_idx)
-        self.dense = cachedemb.CachedEmbeddingBag(rows, DIM, device="cpu", mode=mode, optimizer=optimizer, cache_rows=rows,
+        self.dense = cachedemb.CachedEmbeddingBag(rows, DIM, device="cpu", mode=mode, optimizer=optimizer,
+                                                  cache_rows=rows,
                                                   padding_idx=PAD_ROW if padding_idx is not None else None,
                                                   _weight=torch.zeros(rows, DIM), **kw)
 
@@ -72,7 +73,8 @@ def check_rows_equal(dyn, ref):
 
 
 def train_both(cfg, opt_name, mode="sum", steps=40, padding_idx=None, cache_rows=4, eval_every=0, **kw):
-    dyn = cachedemb.CachedEmbeddingBag(None, DIM, device="cpu", mode=mode, dynamic=cfg, optimizer=OPTIMIZERS[opt_name](),
+    dyn = cachedemb.CachedEmbeddingBag(None, DIM, device="cpu", mode=mode, dynamic=cfg,
+                                       optimizer=OPTIMIZERS[opt_name](),
                                        cache_rows=cache_rows, padding_idx=padding_idx, **kw)
     ref = Reference(cfg, mode, OPTIMIZERS[opt_name](), padding_idx=padding_idx, **kw)
     for step, (ids, offsets, g) in enumerate(batches(steps)):
@@ -287,7 +289,8 @@ def test_state_dict_round_trip_continues_bit_equal(unadmitted):
     state = torch.load(buf, weights_only=True)
     assert torch.equal(state["ids"], torch.sort(torch.tensor(list(ref.remap.admitted())))[0])
     assert int(state["step"]) == 20 and state["counts"].dtype == torch.int64
-    fresh = cachedemb.CachedEmbeddingBag(None, DIM, device="cpu", mode="mean", dynamic=cfg, optimizer=optim.Adam(lr=0.01),
+    fresh = cachedemb.CachedEmbeddingBag(None, DIM, device="cpu", mode="mean", dynamic=cfg,
+                                         optimizer=optim.Adam(lr=0.01),
                                          cache_rows=3, padding_idx=3)
     fresh.load_state_dict(state)
     for name, value in fresh.state_dict().items():

@@ -12,7 +12,8 @@ from test_dynamic import DIM, batches
 
 
 def make(cfg, in_flight_rows):
-    return DynamicEmbeddingBag(None, DIM, device="cpu", mode="sum", dynamic=cfg, optimizer=optim.Adagrad(lr=0.1), cache_rows=12,
+    return DynamicEmbeddingBag(None, DIM, device="cpu", mode="sum", dynamic=cfg, optimizer=optim.Adagrad(lr=0.1),
+                               cache_rows=12,
                                padding_idx=-1, in_flight_rows=in_flight_rows)
 
 
@@ -61,7 +62,8 @@ def test_prefetch_on_off_bit_equal_under_eviction(on_full, ttl, in_flight_rows, 
 def test_held_rows_are_not_reused_while_in_flight():
     """A victim row read by a queued batch keeps its id's values until that batch's forward has run."""
     cfg = DynamicIds(capacity=2, on_full="evict_lru")
-    dyn = DynamicEmbeddingBag(None, DIM, device="cpu", mode="sum", dynamic=cfg, optimizer=optim.SGD(lr=0.5), in_flight_rows=4)
+    dyn = DynamicEmbeddingBag(None, DIM, device="cpu", mode="sum", dynamic=cfg, optimizer=optim.SGD(lr=0.5),
+                              in_flight_rows=4)
     one = torch.tensor([0])
     first = [(torch.tensor([10]), one), (torch.tensor([20, 30]), one), (torch.tensor([10]), one)]
     for batch in first:

@@ -14,8 +14,9 @@ arrays, a few launches per batch of the horizon:
 The work runs on the read-ahead thread (`read_ahead.Worker`) on a side stream of its own; counts are read there
 through events (that thread waits, the training thread never does; nothing torch's sync debug mode flags). What
 leaves the thread (unions, next uses) is copied to pinned host memory first, as the host read-ahead hands them
-over, so no tensor of the side stream's allocator is used by another stream. `CACHEDEMB_READ_AHEAD=host|device` chooses the read-ahead (default: device when every
-cache is on CUDA); the device one also runs on CPU tensors, where the tests compare it with the host one.
+over, so no tensor of the side stream's allocator is used by another stream. `CACHEDEMB_READ_AHEAD=host|device`
+chooses the read-ahead (default: device when every cache is on CUDA); the device one also runs on CPU tensors,
+where the tests compare it with the host one.
 """
 from __future__ import annotations
 
