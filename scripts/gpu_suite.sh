@@ -12,13 +12,16 @@
 #   step     bench_embedding_bag.py at 20M rows: 1% cache vs the table in GPU memory, with prefetch
 #            (read-ahead on the GPU, then on the host), step time vs cache rows 50k-4M, and
 #            profile_step.py's kernels / host ops / runtime calls       (120 + 90 + 90 + 150 + 90 s)
+#   quick    for a lease of 15 device minutes, one call: the GPU-facing tests (test_gpu, the kernels' CUDA cases,
+#            the AOT compile, the read-ahead) with their failures printed, the 1% step with and without prefetch
+#            (read-ahead on the GPU and on the host), profile_step.py           (150 + 60 + 45 + 45 + 60 s)
 #   peers    bench_peers.py at 20M rows, 1% cache: nn.EmbeddingBag in GPU memory, ColossalAI, FBGEMM's UVM
 #            cache, cachedemb with and without prefetch (JSON + PNG); installs the peers' wheels first from
 #            the folders in PEER_WHEELS (default .whl; scripts/fetch_peer_wheels.sh)          (120 + 420 s)
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-STAGES=(tests kernels step peers)
+STAGES=(tests kernels step peers)  # `quick` stands apart: a subset of tests + step, for short leases
 
 usage() {
     sed -n '2,/^set /p' "${BASH_SOURCE[0]}" | grep '^#' | sed 's/^# \{0,1\}//'
@@ -53,6 +56,23 @@ stage_step() {
     # issue 12: per-batch cost follows the batch, not the cache (4M-row cache <= 1.2x the 200k-row one)
     timeout 150 python3 scripts/bench_embedding_bag.py --rows 20000000 --steps 12 --warmup 4 --batch 4096 --cache-rows 50000 200000 1000000 4000000 --skip-reference --out "$out/embedding_bag_cache_rows.json" 2>&1 | tail -n 8
     timeout 90 python3 scripts/profile_step.py --out "$out/profile_step.json" > "$out/profile_step.log" 2>&1; tail -n 3 "$out/profile_step.log"
+}
+
+stage_quick() {
+    local xdist=""
+    python3 -c "import xdist" 2>/dev/null && xdist="-n 8" && export OMP_NUM_THREADS=2 MKL_NUM_THREADS=2
+    timeout 150 python3 -m pytest -q -rfE $xdist -p no:cacheprovider --timeout 100 tests/test_gpu.py tests/kernels \
+        tests/test_aot_compile.py tests/test_prefetch_readahead.py tests/test_device_read_ahead.py 2>&1 \
+        | tee "$out/tests_quick.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 20
+    unset OMP_NUM_THREADS MKL_NUM_THREADS
+    local bench="python3 scripts/bench_embedding_bag.py --rows 20000000 --steps 12 --warmup 6"
+    timeout 60 $bench --out "$out/embedding_bag_step.json" 2>&1 | grep -E '"(cached_step_s|reference_step_s|ratio)"'
+    timeout 45 $bench --prefetch 4 --skip-reference --out "$out/embedding_bag_step_prefetch.json" 2>&1 \
+        | grep -E '"cached_step_s"'
+    CACHEDEMB_READ_AHEAD=host timeout 45 $bench --prefetch 4 --skip-reference \
+        --out "$out/embedding_bag_step_prefetch_host_read_ahead.json" 2>&1 | grep -E '"cached_step_s"'
+    timeout 60 python3 scripts/profile_step.py --out "$out/profile_step.json" > "$out/profile_step.log" 2>&1
+    tail -n 2 "$out/profile_step.log"
 }
 
 stage_peers() {
@@ -93,8 +113,8 @@ todo=()
 for arg in "$@"; do
     case "$arg" in
         all) todo+=("${STAGES[@]}") ;;
-        tests|kernels|step|peers) todo+=("$arg") ;;
-        *) echo "unknown stage '$arg': expected one of ${STAGES[*]} or all" >&2; usage >&2; exit 2 ;;
+        tests|kernels|step|peers|quick) todo+=("$arg") ;;
+        *) echo "unknown stage '$arg': expected one of ${STAGES[*]}, quick or all" >&2; usage >&2; exit 2 ;;
     esac
 done
 setup
