@@ -141,3 +141,39 @@ def test_the_read_ahead_choice(monkeypatch):
     monkeypatch.setenv("CACHEDEMB_READ_AHEAD", "gpu")
     with pytest.raises(ValueError, match="CACHEDEMB_READ_AHEAD='gpu': expected 'host' or 'device'"):
         read_ahead_on_device([cpu])
+
+
+def test_a_collection_prefetched_on_the_device_read_ahead_trains_as_on_the_host(monkeypatch):
+    """A collection's several caches (tables of two dims, so two groups) read ahead together on the device read-ahead:
+    the same table, windows and counters as the host read-ahead, and as no prefetch."""
+    tables = [cachedemb.TableConfig("a", 120, 4, ["fa"]), cachedemb.TableConfig("b", 80, 4, ["fb"]),
+              cachedemb.TableConfig("c", 60, 8, ["fc"])]
+    g = torch.Generator().manual_seed(5)
+
+    def feature(rows):
+        lengths = torch.randint(0, 5, (6,), generator=g)
+        values = (torch.rand(int(lengths.sum()), generator=g) ** 2 * rows).long()
+        return values, torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+
+    batches = [{"fa": feature(120), "fb": feature(80), "fc": feature(60)} for _ in range(20)]
+
+    def run(where):
+        if where is not None:
+            monkeypatch.setenv("CACHEDEMB_READ_AHEAD", where)
+        torch.manual_seed(0)
+        coll = cachedemb.CachedEmbeddingBagCollection(tables, cache_rows=30, device="cpu",
+                                                      optimizer=optim.Adam(lr=0.05))
+        source = batches if where is None else Prefetcher(batches, [coll], depth=3, horizon=6)
+        for batch in source:
+            pooled = coll(batch)
+            sum(v.tanh().sum() for v in (pooled.values() if isinstance(pooled, dict) else [pooled.values()])
+                ).backward()
+        stats = {k: v for k, v in coll.cache_stats().items() if isinstance(v, int)}
+        windows = source.window_batches if where is not None else None
+        return {k: v.clone() for k, v in coll.state_dict().items()}, stats, windows
+
+    (host, s_host, w_host), (dev, s_dev, w_dev), (plain, _, _) = run("host"), run("device"), run(None)
+    assert s_dev == s_host and w_dev == w_host and s_host["windows"] > 0
+    assert host.keys() == dev.keys() == plain.keys()
+    for key in plain:
+        assert torch.equal(dev[key], host[key]) and torch.equal(host[key], plain[key]), key
