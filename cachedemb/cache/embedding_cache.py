@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cachedemb.cache.exact_device import exact_device
 from cachedemb import kernels
 from cachedemb.cache.ahead import AheadBatch, take_ahead
+from cachedemb.cache.exact_device import exact_device
 from cachedemb.cache.host_memory import host_empty, pinned_copy
 from cachedemb.kernels import PROTECTED, id_index
 from cachedemb.kernels.gather import take
@@ -263,9 +263,13 @@ class EmbeddingCache:
             return int(count)
         return upper
 
+    def _planning_in_background(self) -> bool:
+        """Whether this thread is making a background window plan for this cache (`plan_in_background`)."""
+        return getattr(_PLANNING, "cache", None) is self
+
     def bump_stats(self, **values: torch.Tensor) -> None:
         """Add [1] device counts to the counters, on the device (no host copy of an index: that would sync)."""
-        if getattr(_PLANNING, "cache", None) is self:  # a background window plan: added when it is taken
+        if self._planning_in_background():  # a background window plan: added when it is taken
             _PLANNING.stats.append(values)
             return
         for key, value in values.items():
@@ -467,8 +471,7 @@ class EmbeddingCache:
         n = uniq.numel()
         if n > self.capacity:
             raise ValueError(f"a window of {n} distinct ids cannot be resident in a cache of {self.capacity}")
-        background = getattr(_PLANNING, "cache", None) is self
-        if not background:  # a background plan's generation moves on when the training thread takes it
+        if not self._planning_in_background():  # a background plan's generation moves on when the training thread takes it
             self.generation += 1
         if next_use is not None:
             refresh = time.perf_counter()
@@ -842,8 +845,8 @@ class EmbeddingCache:
             self.bump_stats(evictions=evicted, rows_out=written)
         return loc_u, live, n_hit, n_miss, move
 
-    def _place_native(self, c, uniq, n_uniq, policy: Policy, transfer: bool, id_slot, window: bool = False,
-                      counter: int | None = None):
+    def _place_native(self, c, uniq, n_uniq, policy: Policy, transfer: bool, id_slot, window: bool,
+                      counter: int):
         """_place on the host-count path with its bookkeeping in C (cachedemb/cache/place_native.py): the same
         victims, writes and results as the torch code above; None (nothing changed) where an id lies outside the
         map, for the torch code to refuse."""
@@ -865,7 +868,7 @@ class EmbeddingCache:
                                        window)
         loc_u, old_ids, dirty_ids, miss_ids, miss_dest, evicted, written = place_native.commit(
             c, found, self.protected, victims, admit, self.capacity, id_slot, self.slot_ids, self.dirty,
-            self.slot_last_use, self.batch_counter if counter is None else counter)
+            self.slot_last_use, counter)
         live = torch.arange(cap) < n
         move = None
         if victims is not None:
@@ -891,7 +894,7 @@ class EmbeddingCache:
             score.scatter_reduce_(0, at, torch.where(newly(), own, torch.full_like(own, PROTECTED)), "amin")
 
         miss_count = self._on_host(n_miss, cap)
-        if getattr(_PLANNING, "cache", None) is not self:
+        if not self._planning_in_background():
             # the forward gathers the host-served rows (at most the misses) there; a background window plan serves
             # none (its window fits beside the one in use) and must not move the rows the training thread uses
             self._reserve_spare(miss_count)

@@ -29,9 +29,9 @@ class MissEstimate:
 
     def push(self, count: torch.Tensor) -> None:
         """Start copying this batch's count ([1] int64 on the cache device) to the host; never waits."""
-        cuda = self.device.type == "cuda"
-        if cuda and torch.cuda.is_current_stream_capturing():
+        if self._capturing():
             return  # a captured step replays without the host: nothing to read back
+        cuda = self.device.type == "cuda"
         self._fold()
         if not self._free:
             return  # every buffer still in flight: skip this sample
@@ -44,10 +44,13 @@ class MissEstimate:
         self._pending.append((host, event, self._pushes))
         self._pushes += 1
 
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
     def _fold(self) -> None:
         """Take in the counts that have landed, oldest first (not while a CUDA graph is captured: an event
         query is not allowed then, and the captured sizes come from the counts already in)."""
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self._capturing():
             return
         while self._pending:
             host, event, number = self._pending[0]

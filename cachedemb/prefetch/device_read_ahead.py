@@ -30,18 +30,24 @@ from cachedemb.prefetch.read_ahead import ReadAheadBase
 from cachedemb.prefetch.windows import WindowInfo, plan_window
 
 
-def _count(t: torch.Tensor) -> int:
-    """A device count read on this thread through an event, not a stream sync: torch's sync debug mode
-    (`torch.cuda.set_sync_debug_mode("error")`, which a user may set to check the training loop) is global, and
-    flags stream syncs and synchronizing copies on every thread, but not an event wait."""
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` in host memory: from a GPU, copied to pinned memory and waited for through an event, not a stream
+    sync. torch's sync debug mode (`torch.cuda.set_sync_debug_mode("error")`, which a user may set to check the
+    training loop) is global and flags stream syncs and synchronizing copies on every thread, not an event wait.
+    Results handed to the training thread go this way too: no tensor of the side stream's allocator leaves it."""
     if t.device.type != "cuda":
-        return int(t)
+        return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(t.device))
     event.synchronize()
-    return int(host)
+    return host
+
+
+def _count(t: torch.Tensor) -> int:
+    """A device count read on this thread (through `_on_host`)."""
+    return int(_on_host(t))
 
 
 def _nonzero(mask: torch.Tensor) -> torch.Tensor:
@@ -153,18 +159,6 @@ class DeviceReadAhead(ReadAheadBase):
         return torch.cuda.stream(self.streams[device])
 
     @staticmethod
-    def _to_host(t: torch.Tensor) -> torch.Tensor:
-        """A result handed to the training thread: host memory (pinned from a GPU, copied and waited for here)."""
-        if t.device.type != "cuda":
-            return t
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(t.device))
-        event.synchronize()  # (an event wait: see `_count`)
-        return host
-
-    @staticmethod
     def _on(device: torch.device, ids: torch.Tensor) -> torch.Tensor:
         """Ids (int64) on `device`; host ids go through pinned memory, so the copy does not synchronize."""
         ids = ids.to(torch.int64)
@@ -192,11 +186,11 @@ class DeviceReadAhead(ReadAheadBase):
                 streams.enter_context(self._stream(device))
             info = plan_window(start, available, self.trackers, self.capacities, self.depth, locate=False)
             if info.unions is not None:
-                info.unions = [self._to_host(u) for u in info.unions]
+                info.unions = [_on_host(u) for u in info.unions]
         return info
 
     def _slot_uses(self, c: int, ids: torch.Tensor, now: int) -> torch.Tensor:
         device = self.devices[c]
         with self._stream(device):
             uses = self.trackers[c].slot_uses(self._on(device, ids), now, self.horizon, relative=True)
-            return self._to_host(uses)
+            return _on_host(uses)

@@ -17,7 +17,7 @@ from cachedemb.cache.embedding_cache import BackgroundPlan, EmbeddingCache, Slot
 from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.policy import Policy, resolve
 from cachedemb.prefetch.device_read_ahead import DeviceReadAhead
-from cachedemb.prefetch.read_ahead import ReadAhead, Worker
+from cachedemb.prefetch.read_ahead import ReadAhead, ReadAheadBase, Worker
 from cachedemb.prefetch.windows import WindowInfo
 
 IdsFn = Callable[[object], Sequence[torch.Tensor]]
@@ -105,7 +105,7 @@ class Prefetcher:
         self.threaded = threaded  # False: the read-ahead work runs on this thread (same results, for tests)
         self.buffer: deque = deque()  # (batch number, batch, [host ids per cache])
         self.caches: list[EmbeddingCache] | None = None
-        self.worker: ReadAhead | DeviceReadAhead | None = None
+        self.worker: ReadAheadBase | None = None
         self.read_count = 0
         self.total: int | None = None  # batches in the source, once it ended
         self.source_error: BaseException | None = None
@@ -280,8 +280,8 @@ class Prefetcher:
     def _in_background(self) -> bool:
         """Whether the next window is planned on the copier too, not only moved there: every cache a CPU cache
         with counts on the host whose rows the copier moves."""
-        return bool(self.caches) and all(
-            counts_on_host(cache.device) and isinstance(self._side_stream(cache), WindowCopier) for cache in self.caches)
+        return bool(self.caches) and all(counts_on_host(cache.device) and
+                                         isinstance(self._side_stream(cache), WindowCopier) for cache in self.caches)
 
     def _plan_in_background(self, start: int, info: WindowInfo) -> list[BackgroundPlan]:
         """Per cache, the window at `start` planned, snapshotted for the window after it and moved on the copier
