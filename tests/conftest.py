@@ -42,6 +42,14 @@ def devices():
     return ["cpu"] + (["cuda"] if has_cuda() else [])
 
 
+@pytest.fixture(params=["in_place", "log"])
+def write_mode(request, monkeypatch):
+    """Run a storage suite with table files written in place and as logs (CACHEDEMB_STORAGE_LOG, which spawned
+    processes inherit, decides FileStorage(log=None))."""
+    monkeypatch.setenv("CACHEDEMB_STORAGE_LOG", "1" if request.param == "log" else "0")
+    return request.param
+
+
 @pytest.fixture(params=["exact", "sync_free"])
 def sizing_mode(request, monkeypatch):
     """Run a suite under both sizing rules: `exact` (CPU reads counts on the host) and `sync_free`

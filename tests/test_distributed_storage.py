@@ -20,6 +20,8 @@ from cachedemb.distributed.files import rank_file, rank_table
 from cachedemb.distributed.testing import run_spawned
 from cachedemb.storage.format import TableMismatchError
 
+pytestmark = [pytest.mark.usefixtures("write_mode")]  # each file written in place and as a log
+
 TABLES = [cachedemb.TableConfig("ta", 23, 4, ["fa"]), cachedemb.TableConfig("tb", 19, 4, ["fb"])]
 N_ROWS, BAGS = 41, 12  # bags per step over all ranks
 

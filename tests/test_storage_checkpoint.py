@@ -18,6 +18,8 @@ import torch
 import cachedemb
 from cachedemb.storage.format import TableWriterDiedError
 
+pytestmark = [pytest.mark.usefixtures("write_mode")]  # each file written in place and as a log
+
 _SETUP = textwrap.dedent("""
     import torch, cachedemb
     N, D = 3000, 8

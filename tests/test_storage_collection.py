@@ -9,7 +9,7 @@ import torch
 import cachedemb
 from cachedemb import TableConfig, optim
 
-pytestmark = [pytest.mark.usefixtures("sizing_mode")]
+pytestmark = [pytest.mark.usefixtures("sizing_mode", "write_mode")]
 
 TABLES = [TableConfig("users", 300, 8, ["u"]), TableConfig("goods", 200, 8, ["i", "j"]),
           TableConfig("ads", 120, 4, ["a"], pooling="mean")]

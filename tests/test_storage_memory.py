@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+pytestmark = [pytest.mark.usefixtures("write_mode")]  # each file written in place and as a log
+
 OVERHEAD = 48 << 20
 HOST = 16_000_000
 

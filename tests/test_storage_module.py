@@ -4,6 +4,7 @@ step), for every fused optimizer, at host caches larger and smaller than one bat
 sizes, with and without prefetch, in both sizing modes; reopening continues; bad use is refused."""
 from __future__ import annotations
 
+import os
 import numpy as np
 import pytest
 import torch
@@ -16,7 +17,7 @@ from cachedemb.storage.embedding_bag import state_columns
 from cachedemb.storage.host_cache import slab_rows
 from cachedemb.storage.format import TableHeader, TableMismatchError
 
-pytestmark = [pytest.mark.usefixtures("sizing_mode")]
+pytestmark = [pytest.mark.usefixtures("sizing_mode", "write_mode")]
 
 N, D, BAGS, STEPS = 400, 8, 12, 14
 SPECS = {"sgd": optim.SGD(lr=0.1), "adagrad": optim.Adagrad(lr=0.1, initial_accumulator_value=0.1),
@@ -44,7 +45,12 @@ def host_bytes_for(rows, spec):
     record = TableHeader(N, D, torch.float32, state_columns(spec, D), "", 1, "", "", 0).layout.record_bytes
     budget = next(b for b in range(rows * record, rows * (record + 200)) if slab_rows(b, record) > rows)
     assert slab_rows(budget, record) == rows + 1  # the slab and the padding row
-    return budget
+    return budget + log_row_map_bytes(N)
+
+
+def log_row_map_bytes(num_rows):
+    """The row map a table written as a log takes out of host_cache_bytes (write_mode "log")."""
+    return 4 * num_rows if os.environ.get("CACHEDEMB_STORAGE_LOG") == "1" else 0
 
 
 def pair(tmp_path, spec, host_rows, cache_rows, name="t", windows=True, **kw):
@@ -90,6 +96,38 @@ def test_file_table_trains_as_in_memory(tmp_path, name, host_rows, cache_rows):
     ours.close()
 
 
+@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("writers", [1, 3])
+def test_a_log_cleaned_as_it_trains_stays_equal_to_in_memory(tmp_path, name, writers, monkeypatch, write_mode):
+    """A table file written as a log with little slack: dead records are cleaned (live ones moved out of the
+    emptiest blocks) while it trains, on one writer and on three; still equal to in memory, and the file stays
+    bounded."""
+    from cachedemb.storage import table_file
+
+    if write_mode != "log":
+        pytest.skip("the log's cleaning")
+    monkeypatch.setattr(table_file, "default_writers", lambda io_threads: writers)
+    torch.manual_seed(0)
+    weight = torch.randn(N, D)
+    ref = cachedemb.CachedEmbeddingBag(N, D, cache_rows=8, optimizer=SPECS[name], _weight=weight.clone(),
+                                       device="cpu", mode="sum")
+    ours = cachedemb.CachedEmbeddingBag(N, D, cache_rows=8, optimizer=SPECS[name], _weight=weight.clone(),
+                                        device="cpu", mode="sum", storage=cachedemb.FileStorage(
+                                            tmp_path / "t.cemb", host_cache_bytes=host_bytes_for(30, SPECS[name]),
+                                            rows_per_block=8, log_slack=0.05))
+    for i, (ids, offsets, psw, target) in enumerate(batches(seed=5, steps=40)):
+        assert torch.equal(step(ref, ids, offsets, psw, target), step(ours, ids, offsets, psw, target))
+        if i == 20:
+            ours.commit()
+    assert_same_table(ref, ours)
+    log = ours.table.log.stats
+    assert log["rows_cleaned"] > 0 and log["blocks_cleaned"] > 0 and ours.table.stats["blocks_copied"] == 0
+    # blocks: the live table and two snapshots with their slack, the maps and a head per writer
+    blocks = (ours.table.file_bytes() - 16384) // ours.table.block
+    assert blocks <= 3 * (N // 8) * 1.05 + 6 + writers
+    ours.close()
+
+
 @pytest.mark.parametrize("name", ["sgd", "adam"])
 def test_several_writer_threads_train_as_in_memory(tmp_path, name, monkeypatch):
     """Write-backs spread over three writer threads (a many-core machine's default): still equal to in memory."""
@@ -116,10 +154,10 @@ def test_rows_reloaded_while_their_write_back_is_in_flight(tmp_path, name, monke
 
     real, turn = TableFile._write_task, threading.Semaphore(0)
 
-    def slow(self, ids, records, sel):
+    def slow(self, *args):
         turn.acquire(timeout=0.1)
         turn.acquire(timeout=0.1)
-        return real(self, ids, records, sel)
+        return real(self, *args)
 
     monkeypatch.setattr(TableFile, "_write_task", slow)
     ref, ours = pair(tmp_path, SPECS[name], 30, 8, mode="sum")
@@ -143,7 +181,7 @@ def test_a_row_in_two_writes_in_flight_is_reloaded_from_the_newest(tmp_path, mon
     ours.inner.cache.flush()
     row = int(np.flatnonzero(host.row_id >= 0)[0])
     gate, real = threading.Event(), TableFile._write_task
-    monkeypatch.setattr(TableFile, "_write_task", lambda self, i, r, s: (gate.wait(), real(self, i, r, s)))
+    monkeypatch.setattr(TableFile, "_write_task", lambda self, *a: (gate.wait(), real(self, *a)))
     try:
         for value in (1.0, 2.0):  # two write-backs of the row, both held back by the writer
             cache.host_weight[row] = value

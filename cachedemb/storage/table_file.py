@@ -52,6 +52,7 @@ import torch
 
 from cachedemb.modules.checkpoint import fsync_directory
 from cachedemb.storage import rowio
+from cachedemb.storage.row_log import RowLog, block_counts, chunk_map_positions, position_dtype
 from cachedemb.storage.format import (
     DATA_OFFSET,
     PAGE,
@@ -77,11 +78,11 @@ _BLOCK_IN = 512  # ru_inblock counts 512-byte blocks
 class IoTicket:
     """Completion of one batched read or write (several futures); `wait()` returns the read's records."""
 
-    def __init__(self, futures: list[Future], result=None):
-        self.futures, self._result = futures, result
+    def __init__(self, futures: list[Future] | None, result=None):
+        self.futures, self._result = futures, result  # futures None: a read registered before it is issued
 
     def done(self) -> bool:
-        return all(f.done() for f in self.futures)
+        return self.futures is not None and all(f.done() for f in self.futures)
 
     def wait(self):
         for f in self.futures:
@@ -107,7 +108,11 @@ class TableFile:
         self.record = self.layout.record_bytes
         self.block = header.block_bytes
         self.rpb = header.rows_per_block
-        self.snapshots: dict[int, tuple[Superblock, np.ndarray]] = {}  # seq -> (superblock, chunk map)
+        self.snapshots: dict[int, tuple[Superblock, np.ndarray | None]] = {}  # seq -> (superblock, chunk map)
+        self.pins: dict[int, np.ndarray] = {}  # seq -> blocks holding a record the snapshot names
+        self.log: RowLog | None = None  # log mode: rows appended, a position per row (row_log.py)
+        self.data_offset = DATA_OFFSET
+        self._reads: list[IoTicket] = []  # reads that may be in flight (a block emptied meanwhile waits for them)
         self.slot_of: dict[int, int] = {}  # seq -> superblock slot
         self.live: np.ndarray = np.zeros(0, dtype=np.int64)
         self.used = np.zeros(0, dtype=bool)
@@ -130,10 +135,11 @@ class TableFile:
     # ----------------------------------------------------------------- creation and opening
     @classmethod
     def create(cls, path, header: TableHeader, fill: RowFill, io_threads: int = 4,
-               write_threads: int | None = None) -> "TableFile":
+               write_threads: int | None = None, log: bool = False, log_slack: float = 0.5) -> "TableFile":
         """Write a new table file at `path` (which must not exist), its rows from `fill` in chunks of blocks
         (never the whole table in memory), committed as snapshot 1; returned open for writing. The file is
-        built under a temporary name and renamed into place, so a crash never leaves a partial `path`."""
+        built under a temporary name and renamed into place, so a crash never leaves a partial `path`.
+        `log`: write-backs append (row_log.py) instead of rewriting records in place."""
         path = Path(path)
         if path.exists():
             raise FileExistsError(f"table file {str(path)!r} already exists; cachedemb never overwrites one "
@@ -166,6 +172,9 @@ class TableFile:
                 os.ftruncate(fd, DATA_OFFSET + table.block)
             else:  # the last block in full, so every block a map names lies inside the file
                 os.ftruncate(fd, max(os.fstat(fd).st_size, DATA_OFFSET + n_chunks * table.block))
+            if log:
+                dtype = position_dtype(header.num_rows, table.rpb)
+                table.log = RowLog(table, np.arange(header.num_rows, dtype=dtype), log_slack)
             table._commit_map({"optimizer_step": 0, "created": True})
             os.replace(tmp, path)
             fsync_directory(path.parent)
@@ -179,10 +188,13 @@ class TableFile:
 
     @classmethod
     def open(cls, path, writable: bool = True, recover: bool = False, expect: TableHeader | None = None,
-             io_threads: int = 4, write_threads: int | None = None) -> "TableFile":
+             io_threads: int = 4, write_threads: int | None = None, log: bool | None = None,
+             log_slack: float = 0.5) -> "TableFile":
         """Open an existing table file, checking its structure (and, with `expect`, that it holds that table).
         A file whose writer died raises TableWriterDiedError naming the last snapshot, unless `recover`: then
-        it opens at that snapshot (the rows written after it are gone)."""
+        it opens at that snapshot (the rows written after it are gone). `log`: True turns a file written in
+        place into a log from its next commit on; a file that is a log (a retained snapshot with a row map)
+        stays one whatever `log` says."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"table file {str(path)!r} not found")
@@ -217,7 +229,10 @@ class TableFile:
                         f"snapshot {newest} ({info}). Open with recover=True (FileStorage(..., recover=True) or "
                         "open_table(..., recover=True)) to continue from it.", info)
                 table.writer_died = rec or WriterRecord(True)
-            table.live = table.snapshots[table.newest_seq][1].copy()
+            if log or table.is_log_file():
+                table.log = RowLog(table, table._snapshot_positions(table.newest_seq), log_slack)
+            else:
+                table.live = table.snapshots[table.newest_seq][1].copy()
             table._rebuild_free()
             if writable:
                 table._write_writer_record(True)
@@ -245,18 +260,31 @@ class TableFile:
         for sb, slot in supers:
             problem = None
             end_blocks = DATA_OFFSET + sb.high_water * self.block
-            if sb.map_bytes != 8 * n_chunks:
-                problem = f"its chunk map has {sb.map_bytes} bytes, expected {8 * n_chunks}"
+            row_map = sb.meta.get("row_map")
+            want = np.dtype(row_map).itemsize * self.header.num_rows if row_map in ("int32", "int64") \
+                else 8 * n_chunks
+            if row_map is not None and row_map not in ("int32", "int64"):
+                problem = f"its row map has dtype {row_map!r}, expected int32 or int64"
+            elif sb.map_bytes != want:
+                problem = f"its {'row' if row_map else 'chunk'} map has {sb.map_bytes} bytes, expected {want}"
             elif sb.map_offset + sb.map_bytes > size or end_blocks > size:
                 problem = (f"it needs {max(sb.map_offset + sb.map_bytes, end_blocks)} bytes but the file has "
                            f"{size} (truncated)")
-            if problem is None:
+            if problem is None and row_map is None:
                 chunk_map = np.frombuffer(os.pread(self.fd, sb.map_bytes, sb.map_offset), dtype=np.int64).copy()
                 if chunk_map.size != n_chunks or (chunk_map.size and (chunk_map.min() < 0 or
                                                                       chunk_map.max() >= sb.high_water)):
                     problem = "its chunk map names blocks outside the file"
+                pins = chunk_map
+            elif problem is None:
+                chunk_map = None
+                counts = block_counts(self._read_row_map(sb), self.rpb, sb.high_water)
+                if counts.size > sb.high_water:
+                    problem = "its row map names records outside the file"
+                pins = np.flatnonzero(counts)
             if problem is None:
                 self.snapshots[sb.seq] = (sb, chunk_map)
+                self.pins[sb.seq] = pins
                 self.slot_of[sb.seq] = slot
             else:
                 problems.append(f"snapshot {sb.seq}: {problem}")
@@ -268,21 +296,64 @@ class TableFile:
     def newest_seq(self) -> int:
         return max(self.snapshots)
 
+    def is_log_file(self) -> bool:
+        return any(sb.meta.get("row_map") for sb, _ in self.snapshots.values())
+
+    def _read_row_map(self, sb: Superblock) -> np.ndarray:
+        """A snapshot's row map, read straight into its array (no second copy in memory)."""
+        loc = np.empty(self.header.num_rows, dtype=np.dtype(sb.meta["row_map"]))
+        view, offset = memoryview(loc).cast("B"), sb.map_offset
+        while view.nbytes:
+            got = os.preadv(self.fd, [view[: 1 << 26]], offset)
+            if got <= 0:
+                raise CorruptTableError(f"table file {str(self.path)!r}: the file ends inside the row map of "
+                                        f"snapshot {sb.seq} (truncated while open?)")
+            view, offset = view[got:], offset + got
+        if loc.size and loc.min() < 0:
+            raise CorruptTableError(f"table file {str(self.path)!r}: snapshot {sb.seq}'s row map names negative "
+                                    "positions")
+        return loc
+
+    def _snapshot_positions(self, seq: int) -> np.ndarray:
+        """Snapshot `seq` as a position per row (a chunk-map snapshot converted)."""
+        sb, chunk_map = self.snapshots[seq]
+        if chunk_map is None:
+            return self._read_row_map(sb)
+        return chunk_map_positions(chunk_map, self.header.num_rows, self.rpb,
+                                   position_dtype(self.header.num_rows, self.rpb))
+
+    def index_bytes(self) -> int:
+        """Host memory the file's own index takes: the row map in log mode (chunk maps are negligible)."""
+        return self.log.loc.nbytes if self.log is not None else 0
+
     def describe_snapshot(self, seq: int) -> dict:
         sb = self.snapshots[seq][0]
         return dict(sb.meta, seq=seq, path=str(self.path))
 
     def _rebuild_free(self) -> None:
-        """Blocks in use: the retained snapshots' chunks and maps, and the live map's chunks."""
-        high = max([sb.high_water for sb, _ in self.snapshots.values()] + [int(self.live.max()) + 1])
-        used = np.zeros(high, dtype=bool)
-        used[self.live] = True
-        for sb, chunk_map in self.snapshots.values():
-            used[chunk_map] = True
+        """Blocks in use: the retained snapshots' records and maps, and the live table's (no I/O in flight)."""
+        highs = [sb.high_water for sb, _ in self.snapshots.values()]
+        if self.log is not None:
+            high = max(highs + [self.log.live.size])
+            used = self.log.in_use(high)
+        else:
+            high = max(highs + [int(self.live.max()) + 1])
+            used = np.zeros(high, dtype=bool)
+            used[self.live] = True
+        pinned = np.zeros(high, dtype=bool)
+        for seq, (sb, _) in self.snapshots.items():
+            pinned[self.pins[seq]] = True
             first = (sb.map_offset - DATA_OFFSET) // self.block
-            used[first: first + -(-sb.map_bytes // self.block)] = True
+            pinned[first: first + -(-sb.map_bytes // self.block)] = True
+        used |= pinned
         self.used = used
         self.free = np.flatnonzero(~used)[::-1].tolist()  # a stack: the lowest free block on top
+        self._reads = []
+        if self.log is not None:
+            self.log.pinned = pinned
+            self.log.quarantine.clear()
+            self.log.held_out.clear()
+            self.log.grow(high)
 
     def _alloc(self) -> int:
         if self.free:
@@ -319,10 +390,15 @@ class TableFile:
 
     def _commit_map(self, meta: dict) -> int:
         seq = max(self.snapshots, default=0) + 1
-        map_bytes = 8 * self.live.size
+        if self.log is not None:
+            data = self.log.map_bytes()
+            meta = dict(meta, row_map=str(self.log.loc.dtype))
+        else:
+            data = self.live.astype(np.int64).tobytes()
+        map_bytes = data.nbytes if isinstance(data, memoryview) else len(data)
         first = self._alloc_run(-(-map_bytes // self.block))
         map_offset = DATA_OFFSET + first * self.block
-        self._pwrite_all(self.live.astype(np.int64).tobytes(), map_offset)
+        self._pwrite_all(data, map_offset)
         high = self.used.size
         os.ftruncate(self.fd, max(os.fstat(self.fd).st_size, DATA_OFFSET + high * self.block))
         os.fdatasync(self.fd)
@@ -336,8 +412,13 @@ class TableFile:
         os.pwrite(self.fd, sb.encode(), SUPER_OFFSETS[slot])
         os.fdatasync(self.fd)
         for old in [s for s, sl in self.slot_of.items() if sl == slot]:
-            del self.snapshots[old], self.slot_of[old]
-        self.snapshots[seq] = (sb, self.live.copy())
+            del self.snapshots[old], self.slot_of[old], self.pins[old]
+        if self.log is not None:
+            self.snapshots[seq] = (sb, None)
+            self.pins[seq] = np.flatnonzero(self.log.live > 0)
+        else:
+            self.snapshots[seq] = (sb, self.live.copy())
+            self.pins[seq] = self.snapshots[seq][1]
         self.slot_of[seq] = slot
         self._rebuild_free()
         self.stats["commits"] += 1
@@ -352,12 +433,17 @@ class TableFile:
                 f"({sorted(self.snapshots)}); a checkpoint older than those was overwritten by later commits")
         self.drain()
         with self._map_lock:
-            self.live = self.snapshots[seq][1].copy()
+            if self.log is not None:
+                self.log.reset(self._snapshot_positions(seq))
+            else:
+                self.live = self.snapshots[seq][1].copy()
         self._rebuild_free()
 
     # ----------------------------------------------------------------- rows
     def row_offsets(self, ids: np.ndarray) -> np.ndarray:
         with self._map_lock:
+            if self.log is not None:
+                return self.log.offsets(ids)
             blocks = self.live[ids // self.rpb]
         return DATA_OFFSET + blocks * self.block + (ids % self.rpb) * self.record
 
@@ -367,6 +453,10 @@ class TableFile:
         runs on the worker thread as each part lands. `here`: the caller waits for the rows at once, so its
         thread reads a share too instead of idling. Parts: see the module docstring."""
         ids = np.asarray(ids, dtype=np.int64)
+        ticket = IoTicket(None)
+        if self.log is not None:  # registered before its offsets are taken: their blocks stay until it lands
+            with self._alloc_lock:
+                self._reads.append(ticket)
         offsets = self.row_offsets(ids)
         order = np.argsort(offsets, kind="stable")
         offsets = offsets[order]
@@ -386,7 +476,7 @@ class TableFile:
         self.stats["rows_read"] += int(ids.size)
         self.stats["bytes_read"] += int(ids.size) * self.record
         self.stats["read_calls"] += int(spans.size - 1)
-        ticket = IoTicket(futures, (records, order_t))
+        ticket.futures, ticket._result = futures, (records, order_t)
         self._pending.append(ticket)
         return ticket
 
@@ -414,7 +504,7 @@ class TableFile:
             raise ValueError("table rows are written in ascending id order")
         n = len(self._writers)
         if n == 1:
-            futures = [_submit(self._writers[0], self._write_task, ids, records, None)]
+            futures = [_submit(self._writers[0], self._write_task, ids, records, None, 0)]
         else:
             owner = (ids // self.rpb) % n
             futures = []
@@ -422,17 +512,24 @@ class TableFile:
                 sel = np.flatnonzero(owner == k)
                 if sel.size:
                     futures.append(_submit(self._writers[k], self._write_task, ids[sel], records,
-                                           torch.from_numpy(sel)))
+                                           torch.from_numpy(sel), k))
         self.stats["rows_written"] += int(ids.size)
         self.stats["bytes_written"] += int(ids.size) * self.record
         ticket = IoTicket(futures)
         self._pending.append(ticket)
         return ticket
 
-    def _write_task(self, ids: np.ndarray, records: torch.Tensor, sel: torch.Tensor | None) -> None:
-        """Write rows `ids` (records[sel], or all of `records`): chunks this writer owns."""
+    def _write_task(self, ids: np.ndarray, records: torch.Tensor, sel: torch.Tensor | None, writer: int) -> None:
+        """Write rows `ids` (records[sel], or all of `records`): chunks this writer owns. In log mode they are
+        appended at the writer's head, then some dead records cleaned."""
         if sel is not None:
             records = records.index_select(0, sel)
+        if self.log is not None:
+            self.log.append(writer, ids, records.numpy())
+            self.log.clean(writer, ids.size)
+            with self._stats_lock:
+                self.stats["write_calls"] += -(-ids.size // self.rpb)
+            return
         chunks = np.unique(ids // self.rpb)
         shared = np.zeros(chunks.size, dtype=bool)
         live = self.live[chunks]
@@ -454,11 +551,60 @@ class TableFile:
         """A free block for a copy-on-write, the file grown to hold it (one writer at a time: growing by
         `ftruncate` must never shrink a block another writer just reserved)."""
         with self._alloc_lock:
-            block = self._alloc()
-            need = DATA_OFFSET + (block + 1) * self.block
-            if os.fstat(self.fd).st_size < need:
-                os.ftruncate(self.fd, need)
+            return self._reserve_block_locked()
+
+    def _reserve_block_locked(self) -> int:
+        block = self._alloc()
+        need = DATA_OFFSET + (block + 1) * self.block
+        if os.fstat(self.fd).st_size < need:
+            os.ftruncate(self.fd, need)
+        return block
+
+    def reserve_log_block(self) -> int:
+        """A free block for a log head (blocks emptied while reads were in flight only once those landed)."""
+        with self._map_lock, self._alloc_lock:
+            log = self.log
+            if log.quarantine:
+                keep = []
+                for entry in log.quarantine:
+                    blocks, reads, move = entry
+                    if all(r.done() for r in reads) and log.moves_done >= move:
+                        self.free.extend(blocks)
+                        self.used[blocks] = False
+                        log.held_out.difference_update(blocks)
+                    else:
+                        keep.append(entry)
+                log.quarantine = keep
+            block = self._reserve_block_locked()
+            log.grow(self.used.size)
             return block
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        """Blocks whose records all died: free once the reads now in flight, and a cleaning move under way
+        (which may have read a record of them), are done."""
+        with self._alloc_lock:
+            log = self.log
+            blocks = [b for b in blocks if b not in log.held_out and self.used[b]]
+            if not blocks:
+                return
+            log.held_out.update(blocks)
+            self._reads = [r for r in self._reads if not r.done()]
+            log.quarantine.append((blocks, list(self._reads), log.moving))
+
+    def write_records(self, buf: np.ndarray, offset: int) -> None:
+        rowio.pwrite_paged(self.fd, buf, offset)
+
+    def read_positions(self, pos: np.ndarray) -> np.ndarray:
+        """Records at ascending positions (log mode's cleaning), read here: [n, record] uint8."""
+        offsets = self.log.position_offsets(pos)
+        buf = np.empty((pos.size, self.record), dtype=np.uint8)
+        spans = _spans(offsets, self.record)
+        if rowio.pread_spans(self.fd, offsets, spans, self.record, buf):
+            raise CorruptTableError(f"table file {str(self.path)!r}: the file ends inside a record being "
+                                    "moved (truncated while open?)")
+        with self._stats_lock:
+            self.stats["read_calls"] += int(spans.size - 1)
+        return buf
 
     def _copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write of one block, in page-sized writes (see the module docstring)."""
