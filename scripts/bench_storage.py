@@ -94,7 +94,10 @@ def rounds(file_mod, mem, batches, offsets, warmup: int, n_rounds: int, block: i
             "disk_bytes_read_per_step": (end["disk"] - marks["disk"]) / n,
             "lower_bound_bytes_per_step": misses * record / n, "host_misses_per_step": misses / n,
             "read_calls_per_step": (end["read_calls"] - marks["read_calls"]) / n,
-            "blocks_copied": end["blocks_copied"] - marks["blocks_copied"]}
+            "blocks_copied": end["blocks_copied"] - marks["blocks_copied"],
+            "rows_cleaned_per_step": (end.get("rows_cleaned", 0) - marks.get("rows_cleaned", 0)) / n,
+            "blocks_cleaned": end.get("blocks_cleaned", 0) - marks.get("blocks_cleaned", 0),
+            "file_bytes": end["file_bytes"]}
 
 
 def counters(module) -> dict:
@@ -117,6 +120,9 @@ def main():
                    help="FileStorage.read_ahead: horizon batches whose misses are read ahead under prefetch")
     p.add_argument("--io-threads", type=int, default=None,
                    help="FileStorage.io_threads (default: the library's)")
+    p.add_argument("--log", choices=["auto", "on", "off"], default="auto",
+                   help="FileStorage.log: write-backs appended (a log) or in place (auto: the library's choice)")
+    p.add_argument("--log-slack", type=float, default=0.5, help="FileStorage.log_slack")
     p.add_argument("--warm-only", action="store_true", help="skip the cold page cache runs")
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--out")
@@ -133,7 +139,7 @@ def main():
     out = {"issue": 23, "num_rows": args.rows, "dim": args.dim, "batch": "4096 x 26 zipf 1.05 (scattered)",
            "optimizer": "fused SGD", "device_cache_rows": cache_rows, "warmup": args.warmup, "rounds": args.rounds,
            "block": args.block, "torch_threads": 1, "prefetch": prefetch, "read_ahead": args.read_ahead, "rowio": rowio.backend(),
-           "io_threads": io_threads,
+           "io_threads": io_threads, "log": args.log, "log_slack": args.log_slack,
            "machine": "CPU-only dev box, 2 cores, shared", "platform": platform.platform(),
            "method": "blocks of steps alternating file-backed / in-memory (no prefetch) on the same batches; "
                      "ratio per block pair, median", "runs": []}
@@ -158,7 +164,8 @@ def main():
         t = time.perf_counter()
         creator = cachedemb.CachedEmbeddingBag(args.rows, args.dim, mode="sum", cache_rows=cache_rows,
                                                optimizer=spec, device="cpu",
-                                               storage=cachedemb.FileStorage(path, host_cache_bytes=64 << 20))
+                                               storage=cachedemb.FileStorage(path, host_cache_bytes=64 << 20,
+                                                                             log=False))  # each run picks
         out["create_s"] = time.perf_counter() - t
         table_bytes = creator.table.header.num_rows * creator.table.record
         out["table_bytes"], out["record_bytes"] = table_bytes, creator.table.record
@@ -171,10 +178,12 @@ def main():
                                                        optimizer=spec, device="cpu",
                                                        storage=cachedemb.FileStorage(
                                                            path, host_cache_bytes=table_bytes // fraction,
-                                                           read_ahead=args.read_ahead, io_threads=io_threads))
+                                                           read_ahead=args.read_ahead, io_threads=io_threads,
+                                                           log={"auto": None, "on": True, "off": False}[args.log],
+                                                           log_slack=args.log_slack))
                     result = rounds(emb, mem, batches, offsets, args.warmup, args.rounds, args.block, pf, cold)
                     name = f"file 1/{fraction}" + (" +prefetch" if pf else "") + (" cold" if cold else "")
-                    result = dict(name=name, host_cache_bytes=table_bytes // fraction,
+                    result = dict(name=name, host_cache_bytes=table_bytes // fraction, log=emb.table.log is not None,
                                   host_rows=emb.host.base - emb.host.first, **result,
                                   ratio_to_clean_memory=result["step_s"] / out["memory_clean_step_s"])
                     out["runs"].append(result)

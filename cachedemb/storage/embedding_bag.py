@@ -527,7 +527,8 @@ class FileBackedEmbeddingBag(nn.Module):
         stats = self.inner.cache_stats()
         stats["host_cache"] = dict(self.host.stats, rows=self.host.base - self.host.first,
                                    host_bytes=self.host.host_bytes())
-        stats["file"] = dict(self.table.stats, file_bytes=self.table.file_bytes())
+        stats["file"] = dict(self.table.stats, file_bytes=self.table.file_bytes(), log=self.table.log is not None,
+                             **(self.table.log.stats if self.table.log is not None else {}))
         return stats
 
     def reset_cache_stats(self) -> None:

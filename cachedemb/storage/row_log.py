@@ -121,9 +121,11 @@ class RowLog:
         while i < n:
             head = self.heads.get(writer)
             if head is None or head[1] == self.rpb:
-                head = self.heads[writer] = [t.reserve_log_block(), 0]
+                head = t.reserve_log_block(writer)
             block, slot = head
             take = min(self.rpb - slot, n - i)
+            with t._map_lock:  # counted before they are written: a block being filled is never seen empty
+                self.live[block] += take
             t.write_records(buf[i: i + take], t.data_offset + block * t.block + slot * t.record)
             pos[i: i + take] = block * self.rpb + slot + np.arange(take)
             head[1] += take
@@ -135,7 +137,6 @@ class RowLog:
         with t._map_lock:
             if pos.size and pos.max() > np.iinfo(self.loc.dtype).max:
                 self.loc = self.loc.astype(np.int64)
-            self.grow(int(pos.max()) // self.rpb + 1 if pos.size else 0)
             if old is not None:
                 keep = self.loc[ids] == old
                 ids, pos, dead_new = ids[keep], pos[keep], pos[~keep]
@@ -145,7 +146,7 @@ class RowLog:
             self.loc[ids] = pos
             blocks = self.live.size
             self.live -= np.bincount(before // self.rpb, minlength=blocks)[:blocks]
-            self.live += np.bincount(pos // self.rpb, minlength=blocks)[:blocks]
+            self.live -= np.bincount(dead_new // self.rpb, minlength=blocks)[:blocks]  # copies moved in vain
             touched = np.unique(np.concatenate([before // self.rpb, dead_new // self.rpb]))
             empty = touched[self.live[touched] == 0]
         self.stats["rows_appended"] += int(ids.size) if old is None else 0
@@ -154,7 +155,8 @@ class RowLog:
         return int(ids.size)
 
     def _held(self, block: int) -> bool:
-        return (block < self.pinned.size and self.pinned[block]) or any(h[0] == block for h in self.heads.values())
+        heads = list(self.heads.values())  # one C-level copy: another writer may add its head meanwhile
+        return (block < self.pinned.size and self.pinned[block]) or any(h[0] == block for h in heads)
 
     # ----------------------------------------------------------------- cleaning
     def clean(self, writer: int, appended: int) -> None:

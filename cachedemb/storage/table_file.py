@@ -560,8 +560,9 @@ class TableFile:
             os.ftruncate(self.fd, need)
         return block
 
-    def reserve_log_block(self) -> int:
-        """A free block for a log head (blocks emptied while reads were in flight only once those landed)."""
+    def reserve_log_block(self, writer: int) -> list[int]:
+        """A free block made `writer`'s log head, [block, next slot] (blocks emptied while reads were in flight
+        only once those landed)."""
         with self._map_lock, self._alloc_lock:
             log = self.log
             if log.quarantine:
@@ -577,7 +578,8 @@ class TableFile:
                 log.quarantine = keep
             block = self._reserve_block_locked()
             log.grow(self.used.size)
-            return block
+            head = log.heads[writer] = [block, 0]
+            return head
 
     def release_blocks(self, blocks: list[int]) -> None:
         """Blocks whose records all died: free once the reads now in flight, and a cleaning move under way
