@@ -187,6 +187,7 @@ def test_a_row_in_two_writes_in_flight_is_reloaded_from_the_newest(tmp_path, mon
             cache.host_weight[row] = value
             host.dirty[row] = True
             host.write_back(np.array([row]))
+            host.finish_packs()  # a slab row is reused only once the write-backs reading it are packed
         cache.host_weight[row] = -7.0  # the slab row is reused ...
         host._load(host.row_id[[row]], np.array([row]))  # ... and the row is read again
         assert torch.equal(cache.host_weight[row], torch.full((D,), 2.0))

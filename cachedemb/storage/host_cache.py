@@ -30,7 +30,7 @@ from cachedemb.storage import record_copy
 from cachedemb.storage.record_copy import RecordFields
 from cachedemb.storage.row_index import RowIndex
 from cachedemb.storage.slab_victims import victim_keys
-from cachedemb.storage.table_file import IoTicket, TableFile
+from cachedemb.storage.table_file import DeferredRecords, IoTicket, TableFile
 
 # An eviction frees at least 1/EVICT_FRACTION of the slab, so its O(slab) ranking and fixed costs are amortized.
 # 8M rows, 1/16 host cache, 2 cores (profile runs, alternating): 1/8 36.7-40.7 ms a step, 1/16 39.0-48.0,
@@ -84,7 +84,8 @@ class HostRowCache:
         self.done_below = 0  # batches with a lower sequence number have run forward and backward
         self.loads: list[IoTicket] = []  # loads not waited for, oldest first
         self.load_serial = 0  # loads issued so far; row_load[r]: the one that fills row r
-        self.writes: list[tuple[np.ndarray, torch.Tensor, IoTicket]] = []  # (ids ascending, records, ticket)
+        self.writes: list[tuple[np.ndarray, DeferredRecords, IoTicket]] = []  # (ids ascending, records, ticket)
+        self.packs: list[DeferredRecords] = []  # write-backs not packed yet: their slab rows are not reused before
         self._fields_key, self._record_fields = None, None  # `_fields`: the slab tensors it was built for, it
         self.stats = dict.fromkeys(("hits", "misses", "evicted", "written_back", "from_writes", "staging_rows",
                                     "grown"), 0)
@@ -136,7 +137,10 @@ class HostRowCache:
                 self._grow(short)
             new = np.flatnonzero(self.free_mask[:limit if not grow else None])[: miss.size]
             # A free row may still be device-resident: a prefetch window can admit rows read ahead before
-            # they were evicted. Its copy goes before the row takes another id.
+            # they were evicted. Its copy goes before the row takes another id (and after the write-back
+            # reading the row is packed).
+            if self.maybe_resident[new].any():
+                self.finish_packs()
             self.drop_device_copies(new)
             ids = uniq[miss]
             self.index.insert(ids, new, self._live)
@@ -177,7 +181,8 @@ class HostRowCache:
             at = _positions_in(ids, written)
             take = (at >= 0) & ~served
             if take.any():
-                land(records.index_select(0, torch.from_numpy(at[take])), torch.from_numpy(rows[take]))
+                self.finish_packs()  # the rows may land where a write-back not yet packed reads
+                land(records.get().index_select(0, torch.from_numpy(at[take])), torch.from_numpy(rows[take]))
                 served |= take
         if served.any():
             self.row_load[rows[served]] = 0  # in place now: nothing to wait for
@@ -186,7 +191,14 @@ class HostRowCache:
         if ids.size == 0:
             return
         dest = torch.from_numpy(rows)
-        self.loads.append(self.table.read(ids, sink=lambda records, order: land(records, dest, order), here=now))
+        self.packs = packs = [p for p in self.packs if not p.ready]
+
+        def land_after_packs(records: torch.Tensor, order: torch.Tensor) -> None:
+            for pack in packs:  # slab rows evicted just now are packed (here, if no one did yet) before reuse
+                pack.get()
+            land(records, dest, order)
+
+        self.loads.append(self.table.read(ids, sink=land_after_packs, here=now))
         self.load_serial += 1
         self.row_load[rows] = self.load_serial
 
@@ -269,8 +281,9 @@ class HostRowCache:
         self.announced[rows] = np.maximum(self.announced[rows], seq)
 
     def write_back(self, rows: np.ndarray) -> None:
-        """Queue the records of slab `rows` for the file, in id order and batches of WRITE_ROWS (copied now:
-        the rows may be reused at once; memory in flight stays bounded)."""
+        """Queue the records of slab `rows` for the file, in id order and batches of WRITE_ROWS. They are packed
+        off this thread (by the writer, or by the reader that lands rows in a victim's slab row first: loads
+        wait for the packs issued before them), and memory in flight stays bounded."""
         if rows.size == 0:
             return
         rows = rows[np.argsort(self.row_id[rows], kind="stable")]
@@ -280,11 +293,13 @@ class HostRowCache:
             part = rows[start: start + WRITE_ROWS]
             at = torch.from_numpy(part)
             if fields is not None:  # one C pass instead of a gather and a copy per field
-                records = fields.pack(at)
+                records = DeferredRecords(lambda at=at: fields.pack(at))
             else:
-                states = {name: s.index_select(0, at) for name, s in cache.host_states.items()}
-                records = self.layout.pack(cache.host_weight.index_select(0, at), states,
-                                           cache.host_freq.index_select(0, at))
+                records = DeferredRecords(lambda at=at, w=cache.host_weight, st=dict(cache.host_states),
+                                          f=cache.host_freq: self.layout.pack(
+                                              w.index_select(0, at), {n: s.index_select(0, at) for n, s in st.items()},
+                                              f.index_select(0, at)))
+            self.packs.append(records)
             ids = self.row_id[part]
             self.writes.append((ids, records, self.table.write(ids, records)))
             if len(self.writes) > 4:  # at most a few batches of records in flight
@@ -292,6 +307,12 @@ class HostRowCache:
                 self.writes = [(w, r, t) for w, r, t in self.writes if not t.done()]
         self.dirty[rows] = False
         self.stats["written_back"] += int(rows.size)
+
+    def finish_packs(self) -> None:
+        """Pack every write-back not packed yet (before the slab rows they read change or move)."""
+        for pack in self.packs:
+            pack.get()
+        self.packs = []
 
     def flush(self) -> None:
         """Every dirty slab row to the file (rows stay cached, clean); the device cache must be flushed first."""
@@ -317,6 +338,7 @@ class HostRowCache:
     def _grow(self, extra: int) -> None:
         """Room for `extra` more rows past the slab (a batch larger than the host cache)."""
         self.fence()
+        self.finish_packs()
         old = self.num_rows
         new = old + extra
         self.inner._resize_rows(new)
@@ -338,6 +360,7 @@ class HostRowCache:
         if (self.row_step[staging] >= self.done_below).any():
             return
         self.evict_rows(staging[self.row_id[staging] >= 0])
+        self.finish_packs()
         self.table.drain()
         self.writes = []
         self.inner._resize_rows(self.base)

@@ -72,7 +72,8 @@ class RowLog:
         self.held_out: set[int] = set()  # the blocks in quarantine
         self.moving, self.moves_done = 0, 0  # the cleaning move under way (0: none), the last one finished
         self.queue = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # (rows, their old positions) to move
-        self._clean_lock = threading.Lock()
+        self._clean_lock, self._owed_lock = threading.Lock(), threading.Lock()
+        self.owed = 0  # records appended since the last cleaning move
         self.stats = dict.fromkeys(("rows_appended", "rows_cleaned", "blocks_cleaned", "clean_scans"), 0)
 
     # ----------------------------------------------------------------- positions
@@ -160,11 +161,16 @@ class RowLog:
 
     # ----------------------------------------------------------------- cleaning
     def clean(self, writer: int, appended: int) -> None:
-        """Move up to clean_ratio x `appended` live records out of the emptiest blocks, when the dead records
-        in unpinned blocks exceed the slack (one writer at a time; the others skip)."""
+        """Move up to clean_ratio x the records appended since the last move (on every writer) out of the
+        emptiest blocks, when the dead records in unpinned blocks exceed the slack (one writer at a time; the
+        others leave their appends owed)."""
+        with self._owed_lock:
+            self.owed += appended
         if not self._clean_lock.acquire(blocking=False):
             return
         try:
+            with self._owed_lock:
+                appended, self.owed = self.owed, 0
             rows, old = self.queue
             if rows.size == 0:
                 rows, old = self._choose()

@@ -90,6 +90,26 @@ class IoTicket:
         return self._result
 
 
+class DeferredRecords:
+    """A write's records, made by whichever thread needs them first (the writer, or a reader about to land rows
+    where they come from): the write-back of evicted host-cache rows is packed off the training thread."""
+
+    def __init__(self, make: Callable[[], torch.Tensor]):
+        self._make, self._lock, self._records = make, threading.Lock(), None
+
+    @property
+    def ready(self) -> bool:
+        return self._records is not None
+
+    def get(self) -> torch.Tensor:
+        if self._records is None:
+            with self._lock:
+                if self._records is None:
+                    self._records = self._make()
+                    self._make = None
+        return self._records
+
+
 def _spans(offsets: np.ndarray, record: int) -> np.ndarray:
     """Starts of runs of adjacent records in sorted `offsets` (plus the end): one syscall per run."""
     if offsets.size == 0:
@@ -495,9 +515,10 @@ class TableFile:
             a, b = int(spans[0]), int(spans[-1])
             sink(records[a:b], order[a:b])
 
-    def write(self, ids: np.ndarray, records: torch.Tensor) -> IoTicket:
+    def write(self, ids: np.ndarray, records: torch.Tensor | DeferredRecords) -> IoTicket:
         """Write records [k, record] of rows `ids` (distinct, ascending) on the writer thread, after earlier
-        writes; `records` must not change until the ticket is done."""
+        writes; `records` must not change until the ticket is done (DeferredRecords: made on the writer, unless
+        someone needed them first)."""
         self._check_writable()
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size > 1 and not (np.diff(ids) > 0).all():
@@ -522,6 +543,8 @@ class TableFile:
     def _write_task(self, ids: np.ndarray, records: torch.Tensor, sel: torch.Tensor | None, writer: int) -> None:
         """Write rows `ids` (records[sel], or all of `records`): chunks this writer owns. In log mode they are
         appended at the writer's head, then some dead records cleaned."""
+        if isinstance(records, DeferredRecords):
+            records = records.get()
         if sel is not None:
             records = records.index_select(0, sel)
         if self.log is not None:
