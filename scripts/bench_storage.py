@@ -54,13 +54,15 @@ def drain(module) -> None:
 
 
 def rounds(file_mod, mem, batches, offsets, warmup: int, n_rounds: int, block: int, prefetch: dict | None,
-           cold: bool) -> dict:
+           cold: bool, commits: int = 0) -> dict:
     """Warm the file-backed module up, then alternate blocks of `block` steps: the file-backed module (its
     I/O drained inside the block's time), then the in-memory one on the same batches. Ratios are taken block by
     block, so the shared machine's drift hits both alike."""
     source = iter(cachedemb.prefetch(batches, [file_mod], **prefetch) if prefetch else batches)
     for _ in range(warmup):
         file_mod(next(source), offsets).sum().backward()
+    for _ in range(commits):  # checkpoints (untimed): older snapshots' blocks become the log's to clean
+        file_mod.commit()
     drain(file_mod)
     marks = counters(file_mod)
     a_times, b_times, ratios = [], [], []
@@ -123,6 +125,8 @@ def main():
     p.add_argument("--log", choices=["auto", "on", "off"], default="auto",
                    help="FileStorage.log: write-backs appended (a log) or in place (auto: the library's choice)")
     p.add_argument("--log-slack", type=float, default=0.5, help="FileStorage.log_slack")
+    p.add_argument("--commits-after-warmup", type=int, default=0,
+                   help="snapshots committed after the warm-up (2: the log may clean every block dead since)")
     p.add_argument("--warm-only", action="store_true", help="skip the cold page cache runs")
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--out")
@@ -140,6 +144,7 @@ def main():
            "optimizer": "fused SGD", "device_cache_rows": cache_rows, "warmup": args.warmup, "rounds": args.rounds,
            "block": args.block, "torch_threads": 1, "prefetch": prefetch, "read_ahead": args.read_ahead, "rowio": rowio.backend(),
            "io_threads": io_threads, "log": args.log, "log_slack": args.log_slack,
+           "commits_after_warmup": args.commits_after_warmup,
            "machine": "CPU-only dev box, 2 cores, shared", "platform": platform.platform(),
            "method": "blocks of steps alternating file-backed / in-memory (no prefetch) on the same batches; "
                      "ratio per block pair, median", "runs": []}
@@ -181,7 +186,8 @@ def main():
                                                            read_ahead=args.read_ahead, io_threads=io_threads,
                                                            log={"auto": None, "on": True, "off": False}[args.log],
                                                            log_slack=args.log_slack))
-                    result = rounds(emb, mem, batches, offsets, args.warmup, args.rounds, args.block, pf, cold)
+                    result = rounds(emb, mem, batches, offsets, args.warmup, args.rounds, args.block, pf, cold,
+                                    args.commits_after_warmup)
                     name = f"file 1/{fraction}" + (" +prefetch" if pf else "") + (" cold" if cold else "")
                     result = dict(name=name, host_cache_bytes=table_bytes // fraction, log=emb.table.log is not None,
                                   host_rows=emb.host.base - emb.host.first, **result,

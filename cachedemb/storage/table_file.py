@@ -477,13 +477,18 @@ class TableFile:
         if self.log is not None:  # registered before its offsets are taken: their blocks stay until it lands
             with self._alloc_lock:
                 self._reads.append(ticket)
-        offsets = self.row_offsets(ids)
-        order = np.argsort(offsets, kind="stable")
-        offsets = offsets[order]
         records = torch.empty(ids.size, self.record, dtype=torch.uint8)
         buf = records.numpy()
-        spans = _spans(offsets, self.record)
         cold = self.disk_share is None or self.disk_share > COLD_SHARE
+        self.stats["rows_read"] += int(ids.size)
+        self.stats["bytes_read"] += int(ids.size) * self.record
+        if not here and not cold:  # one part: a reader takes the offsets and their sort off the caller's thread
+            order_t = torch.empty(ids.size, dtype=torch.int64)
+            ticket.futures = [_submit(self._readers, self._read_whole, ids, buf, records, order_t, sink)]
+            ticket._result = (records, order_t)
+            self._pending.append(ticket)
+            return ticket
+        offsets, order, spans = self._sorted_spans(ids)
         parts = min((self._readers._max_workers if cold else 1) + int(here), max(1, spans.size - 1))
         cuts = np.linspace(0, spans.size - 1, parts + 1).astype(np.int64)
         order_t = torch.from_numpy(order)
@@ -493,12 +498,25 @@ class TableFile:
         futures = [_submit(self._readers, self._read_part, *a) for a in args]
         if mine is not None:
             futures.append(_run_here(self._read_part, *mine))
-        self.stats["rows_read"] += int(ids.size)
-        self.stats["bytes_read"] += int(ids.size) * self.record
-        self.stats["read_calls"] += int(spans.size - 1)
+        with self._stats_lock:
+            self.stats["read_calls"] += int(spans.size - 1)
         ticket.futures, ticket._result = futures, (records, order_t)
         self._pending.append(ticket)
         return ticket
+
+    def _sorted_spans(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(offsets in file order, the order that sorts them, starts of runs of adjacent records)."""
+        offsets = self.row_offsets(ids)
+        order = np.argsort(offsets, kind="stable")
+        offsets = offsets[order]
+        return offsets, order, _spans(offsets, self.record)
+
+    def _read_whole(self, ids: np.ndarray, buf: np.ndarray, records, order_t, sink) -> None:
+        offsets, order, spans = self._sorted_spans(ids)
+        order_t.copy_(torch.from_numpy(order))
+        with self._stats_lock:
+            self.stats["read_calls"] += int(spans.size - 1)
+        self._read_part(buf, offsets, spans, records, order_t, sink)
 
     def _read_part(self, buf: np.ndarray, offsets: np.ndarray, spans: np.ndarray, records, order, sink) -> None:
         before = _blocks_read()
