@@ -48,7 +48,8 @@ _CHILD = textwrap.dedent("""
     stats = emb.cache_stats()
     emb.close()
     import os
-    print(status("VmHWM") - base, os.path.getsize(path), stats["host_cache"]["host_bytes"],
+    print(status("VmHWM") - base, os.path.getsize(path),
+          stats["host_cache"]["host_bytes"] + stats["file"]["row_map_bytes"],  # a log's row map is in the budget
           stats["host_cache"]["evicted"], stats["file"]["rows_read"])
 """)
 

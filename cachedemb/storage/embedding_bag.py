@@ -528,6 +528,7 @@ class FileBackedEmbeddingBag(nn.Module):
         stats["host_cache"] = dict(self.host.stats, rows=self.host.base - self.host.first,
                                    host_bytes=self.host.host_bytes())
         stats["file"] = dict(self.table.stats, file_bytes=self.table.file_bytes(), log=self.table.log is not None,
+                             row_map_bytes=self.table.index_bytes(),
                              **(self.table.log.stats if self.table.log is not None else {}))
         return stats
 

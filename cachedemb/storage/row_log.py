@@ -9,10 +9,14 @@ is counted in `host_cache_bytes` (the host cache gives up rows for it).
 
 Blocks are the file's unit of space, as for the chunk maps: a block's records die as their rows are appended
 elsewhere; a block with no live record that no retained snapshot names is free. Each writer thread appends into
-a head block of its own. Dead records are reclaimed by cleaning (LFS): once the dead records in blocks no
-snapshot names exceed `slack` x the table's rows, the blocks with the fewest live records are chosen (one scan
-of the map finds their rows) and their live records appended again, at most `clean_ratio` x the rows a write
-appends per write, so a step's write cost stays bounded. A move is committed only if the row was not written
+a head block of its own. Dead records are reclaimed by cleaning (LFS): once the dead records in candidate blocks
+exceed `slack` x the table's rows, the blocks with the fewest live records are chosen (one scan of the map finds
+their rows) and their live records appended again, at most `clean_ratio` x the records appended since the last
+move, so a step's write cost stays bounded. Candidates: blocks no retained snapshot pins until the file has
+committed once since it was opened; from then on pinned blocks too (a commit pins every block holding a live
+record, so a block kept by one long-lived record would otherwise never come back; a cleaned pinned block is free
+two commits later). Without commits the file holds at most the opened snapshot's blocks, the rows moved since
+and the slack. A move is committed only if the row was not written
 meanwhile (another writer's append wins). A block emptied while reads are in flight is reused only after those
 reads land (they may still read a record of it: a moved row's old copy).
 
@@ -66,6 +70,7 @@ class RowLog:
         self.slack, self.clean_ratio = float(slack), float(clean_ratio)
         self.live = block_counts(loc, self.rpb, table.used.size)
         self.pinned = np.zeros(0, dtype=bool)  # blocks a retained snapshot needs (records or map)
+        self.maps = np.zeros(0, dtype=bool)  # of those, the snapshots' maps (never a cleaning candidate)
         self.heads: dict[int, list[int]] = {}  # writer -> [block, next slot]
         # Emptied blocks waiting to be free: (blocks, reads then in flight, the cleaning move then under way).
         self.quarantine: list[tuple[list[int], list, int]] = []
@@ -74,6 +79,7 @@ class RowLog:
         self.queue = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # (rows, their old positions) to move
         self._clean_lock, self._owed_lock = threading.Lock(), threading.Lock()
         self.owed = 0  # records appended since the last cleaning move
+        self.commits = 0  # commits since the file was opened: pinned blocks are cleaned once there was one
         self.stats = dict.fromkeys(("rows_appended", "rows_cleaned", "blocks_cleaned", "clean_scans"), 0)
 
     # ----------------------------------------------------------------- positions
@@ -200,7 +206,11 @@ class RowLog:
             blocks = min(self.live.size, t.used.size)
             live = self.live[:blocks]
             cand = t.used[:blocks].copy()
-            cand[: min(blocks, self.pinned.size)] &= ~self.pinned[:blocks]
+            pinned = np.zeros(blocks, dtype=bool)
+            pinned[: min(blocks, self.pinned.size)] = self.pinned[:blocks]
+            cand[: min(blocks, self.maps.size)] &= ~self.maps[:blocks]
+            if not self.commits:  # pinned by the snapshot opened: cleaning them frees nothing until two commits
+                cand &= ~pinned
             for block, _ in self.heads.values():
                 if block < blocks:
                     cand[block] = False
@@ -216,7 +226,7 @@ class RowLog:
             n = int(np.searchsorted(gain, excess + int(self.slack * self.table.header.num_rows) // 2)) + 1
             n = max(1, min(n, int(np.searchsorted(cost, CLEAN_QUEUE_ROWS, side="right")), order.size))
             chosen = order[:n]
-            zero = chosen[live[chosen] == 0]
+            zero = chosen[(live[chosen] == 0) & ~pinned[chosen]]  # pinned ones are free once their snapshots go
         if zero.size:
             t.release_blocks(zero.tolist())
         chosen = chosen[self.live[chosen] > 0]

@@ -196,6 +196,8 @@ class TableFile:
                 dtype = position_dtype(header.num_rows, table.rpb)
                 table.log = RowLog(table, np.arange(header.num_rows, dtype=dtype), log_slack)
             table._commit_map({"optimizer_step": 0, "created": True})
+            if table.log is not None:
+                table.log.commits = 0  # the creation's snapshot pins every block: it counts as the one opened
             os.replace(tmp, path)
             fsync_directory(path.parent)
         except BaseException:
@@ -360,17 +362,18 @@ class TableFile:
             high = max(highs + [int(self.live.max()) + 1])
             used = np.zeros(high, dtype=bool)
             used[self.live] = True
-        pinned = np.zeros(high, dtype=bool)
+        pinned, maps = np.zeros(high, dtype=bool), np.zeros(high, dtype=bool)
         for seq, (sb, _) in self.snapshots.items():
             pinned[self.pins[seq]] = True
             first = (sb.map_offset - DATA_OFFSET) // self.block
-            pinned[first: first + -(-sb.map_bytes // self.block)] = True
+            maps[first: first + -(-sb.map_bytes // self.block)] = True
+        pinned |= maps
         used |= pinned
         self.used = used
         self.free = np.flatnonzero(~used)[::-1].tolist()  # a stack: the lowest free block on top
         self._reads = []
         if self.log is not None:
-            self.log.pinned = pinned
+            self.log.pinned, self.log.maps = pinned, maps
             self.log.quarantine.clear()
             self.log.held_out.clear()
             self.log.grow(high)
@@ -434,6 +437,7 @@ class TableFile:
         for old in [s for s, sl in self.slot_of.items() if sl == slot]:
             del self.snapshots[old], self.slot_of[old], self.pins[old]
         if self.log is not None:
+            self.log.commits += 1
             self.snapshots[seq] = (sb, None)
             self.pins[seq] = np.flatnonzero(self.log.live > 0)
         else:
