@@ -42,6 +42,19 @@ def devices():
     return ["cpu"] + (["cuda"] if has_cuda() else [])
 
 
+@pytest.fixture(params=["c", "python"])
+def io_loop(request, monkeypatch):
+    """A table-file suite with the span loop in C (rowio.c, where a compiler exists) and in Python (os.preadv /
+    os.pwritev)."""
+    from cachedemb.storage import rowio
+
+    if request.param == "python":
+        monkeypatch.setattr(rowio, "_load", lambda: None)
+    elif rowio.backend() != "c":
+        pytest.skip("no C compiler: the Python span loop runs")
+    return request.param
+
+
 @pytest.fixture(params=["in_place", "log"])
 def write_mode(request, monkeypatch):
     """Run a storage suite with table files written in place and as logs (CACHEDEMB_STORAGE_LOG, which spawned

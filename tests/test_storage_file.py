@@ -21,20 +21,12 @@ from cachedemb.storage.format import (
     TableMismatchError,
     TableWriterDiedError,
 )
-from cachedemb.storage import rowio
 from cachedemb.storage.table_file import TableFile, iter_table_rows, open_table
 
 N, D = 1000, 5
 
 
-@pytest.fixture(autouse=True, params=["c", "python"])
-def io_loop(request, monkeypatch):
-    """Every test with the span loop in C (rowio.c, where a compiler exists) and in Python (os.preadv)."""
-    if request.param == "python":
-        monkeypatch.setattr(rowio, "_load", lambda: None)
-    elif rowio.backend() != "c":
-        pytest.skip("no C compiler: the Python span loop runs")
-    return request.param
+pytestmark = [pytest.mark.usefixtures("io_loop")]  # the span loop in C and in Python
 
 
 def header(num_rows=N, dim=D, state=(("sum", 1, 0.5),), rows_per_block=64):

@@ -1,4 +1,4 @@
-"""A table file written as a log (cachedemb.storage.row_log): every write appends, a row map finds each row's
+"""A table file written as a log (cachedemb.storage.log_structure): every write appends, a row map finds each row's
 newest record, cleaning moves live records out of the emptiest blocks. Checked against a brute-force copy of the
 table kept in memory: rows read back after random writes on one and four writers with reads in flight, snapshots
 never touched by later appends or cleaning (rollback, a writer that died), a file written in place turned into a
@@ -14,21 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from cachedemb.storage import rowio
 from cachedemb.storage.format import CorruptTableError, TableHeader
 from cachedemb.storage.table_file import TableFile, iter_table_rows
 
 N, D, RPB = 600, 4, 16
 
 
-@pytest.fixture(autouse=True, params=["c", "python"])
-def io_loop(request, monkeypatch):
-    """The span loop in C (rowio.c) and in Python (os.preadv / os.pwritev)."""
-    if request.param == "python":
-        monkeypatch.setattr(rowio, "_load", lambda: None)
-    elif rowio.backend() != "c":
-        pytest.skip("no C compiler: the Python span loop runs")
-    return request.param
+pytestmark = [pytest.mark.usefixtures("io_loop")]  # the span loop in C and in Python
 
 
 def header():

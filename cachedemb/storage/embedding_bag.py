@@ -48,7 +48,7 @@ from cachedemb.kernels import id_index
 from cachedemb.optim import SparseOptimizer
 from cachedemb.storage.format import TableHeader, TableMismatchError, dtype_name
 from cachedemb.storage.host_cache import HostRowCache, distinct, slab_rows
-from cachedemb.storage.row_log import position_dtype
+from cachedemb.storage.log_structure import position_dtype
 from cachedemb.storage.table_file import TableFile, iter_table_rows, open_table
 
 BLOCK_TARGET_BYTES = 256 << 10  # a chunk of rows (the copy-on-write unit) is about this size
@@ -68,13 +68,12 @@ class FileStorage:
     host->device copies with compute; on CPU the "device" cache is host memory and a window is extra copying, so
     only the file reads run ahead). read_ahead: without device windows, the batches of the prefetch horizon whose
     misses are read ahead (their rows held until they run); the later ones only steer the host cache's eviction.
-    log: write evicted rows by appending them (a log-structured file, `cachedemb/storage/row_log.py`) instead of
+    log: write evicted rows by appending them (a log-structured file, `cachedemb/storage/log_structure.py`) instead of
     rewriting them in place: ~8x less kernel time a row written, for a row map of 4 bytes a row counted in
     `host_cache_bytes`. None (default): a log when the map takes at most a quarter of `host_cache_bytes` (or as
-    CACHEDEMB_STORAGE_LOG=1/0 says). A file
-    that is a log stays one. log_slack: dead records the log may hold, as a fraction of the table's rows, before
-    cleaning moves the live records out of the emptiest blocks (the file's growth beyond the table and its
-    snapshots)."""
+    CACHEDEMB_STORAGE_LOG=1/0 says). A file that is a log stays one. log_slack: dead records the log may hold,
+    as a fraction of the table's rows, before cleaning moves the live records out of the emptiest blocks (the
+    file's growth beyond the table and its snapshots)."""
 
     path: str | os.PathLike
     host_cache_bytes: int

@@ -12,7 +12,8 @@ below keeps seeing dense host rows (slab rows) and its kernels are unchanged. Pe
 
 Evicting a row first writes back a device-resident copy and empties its slot (`EmbeddingCache.drop_rows`),
 then, if the row was written since it was read, queues its record for the file (write-backs go out in batches
-on the writer thread; a row being written is read back only after its write lands). The LFU score is the
+on the writer thread, which also packs their records from the slab: a load into a victim's slab row waits for
+the packs issued before it; a row being written is read back only after its write lands). The LFU score is the
 row's access count, which travels with the row in its record, so it survives evictions.
 
 A batch with more distinct ids than the slab has rows still runs exactly: the slab grows by the missing rows
@@ -85,7 +86,7 @@ class HostRowCache:
         self.loads: list[IoTicket] = []  # loads not waited for, oldest first
         self.load_serial = 0  # loads issued so far; row_load[r]: the one that fills row r
         self.writes: list[tuple[np.ndarray, DeferredRecords, IoTicket]] = []  # (ids ascending, records, ticket)
-        self.packs: list[DeferredRecords] = []  # write-backs not packed yet: their slab rows are not reused before
+        self.packs: list[DeferredRecords] = []  # write-backs maybe not packed yet (loads into their rows wait)
         self._fields_key, self._record_fields = None, None  # `_fields`: the slab tensors it was built for, it
         self.stats = dict.fromkeys(("hits", "misses", "evicted", "written_back", "from_writes", "staging_rows",
                                     "grown"), 0)

@@ -52,7 +52,7 @@ import torch
 
 from cachedemb.modules.checkpoint import fsync_directory
 from cachedemb.storage import rowio
-from cachedemb.storage.row_log import RowLog, block_counts, chunk_map_positions, position_dtype
+from cachedemb.storage.log_structure import RowLog, block_counts, chunk_map_positions, position_dtype
 from cachedemb.storage.format import (
     DATA_OFFSET,
     PAGE,
@@ -130,7 +130,7 @@ class TableFile:
         self.rpb = header.rows_per_block
         self.snapshots: dict[int, tuple[Superblock, np.ndarray | None]] = {}  # seq -> (superblock, chunk map)
         self.pins: dict[int, np.ndarray] = {}  # seq -> blocks holding a record the snapshot names
-        self.log: RowLog | None = None  # log mode: rows appended, a position per row (row_log.py)
+        self.log: RowLog | None = None  # log mode: rows appended, a position per row (log_structure.py)
         self.data_offset = DATA_OFFSET
         self._reads: list[IoTicket] = []  # reads that may be in flight (a block emptied meanwhile waits for them)
         self.slot_of: dict[int, int] = {}  # seq -> superblock slot
@@ -159,7 +159,7 @@ class TableFile:
         """Write a new table file at `path` (which must not exist), its rows from `fill` in chunks of blocks
         (never the whole table in memory), committed as snapshot 1; returned open for writing. The file is
         built under a temporary name and renamed into place, so a crash never leaves a partial `path`.
-        `log`: write-backs append (row_log.py) instead of rewriting records in place."""
+        `log`: write-backs append (log_structure.py) instead of rewriting records in place."""
         path = Path(path)
         if path.exists():
             raise FileExistsError(f"table file {str(path)!r} already exists; cachedemb never overwrites one "
