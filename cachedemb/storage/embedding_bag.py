@@ -286,8 +286,9 @@ class FileBackedEmbeddingBag(nn.Module):
             raise InvalidIdError(f"input id {int(flat[i])} at position {i} is out of range: ids must be in [0, "
                                  f"{self.num_embeddings}) (num_embeddings={self.num_embeddings})")
         keep = valid if self.padding_idx is None else valid & (flat != self.padding_idx)
+        every = bool(keep.all())  # no padding or invalid lookup: no masks to apply
         train = self.training and torch.is_grad_enabled()
-        rows_u, inverse = self._batch_rows(flat, keep, train)
+        rows_u, inverse = self._batch_rows(flat, None if every else keep, train)
         self.host.maybe_resident[rows_u] = True
         self.host.fence(rows_u)
         writes = (train and self.optimizer is not None) or self.max_norm is not None or self.count_in_eval
@@ -295,15 +296,18 @@ class FileBackedEmbeddingBag(nn.Module):
             self.host.dirty[rows_u] = True
         # Padding lookups read inner row 0 (the inner padding row); invalid ids (validate_inputs=False) an
         # inner id out of range, which the inner module repairs and counts as it does for any table.
-        rows = torch.where(valid, torch.zeros_like(flat), torch.full_like(flat, self.inner.num_embeddings))
-        rows[keep] = torch.from_numpy(rows_u[inverse])
+        if every:
+            rows = torch.from_numpy(rows_u[inverse])
+        else:
+            rows = torch.where(valid, torch.zeros_like(flat), torch.full_like(flat, self.inner.num_embeddings))
+            rows[keep] = torch.from_numpy(rows_u[inverse])
         self.inner.training = self.training
         self.table.prune()
         return self.inner(rows.view(input.shape).to(input.device), offsets, per_sample_weights)
 
-    def _batch_rows(self, flat: torch.Tensor, keep: torch.Tensor, train: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _batch_rows(self, flat: torch.Tensor, keep: torch.Tensor | None, train: bool) -> tuple[np.ndarray, np.ndarray]:
         """(slab row of each distinct id, position of each kept lookup among them) of a forward: the rows read
-        ahead for it, else mapped now."""
+        ahead for it, else mapped now. `keep` None: every lookup is kept."""
         host = self.host
         if train and self.ahead:
             entry = self.ahead[0]
@@ -314,7 +318,7 @@ class FileBackedEmbeddingBag(nn.Module):
                 self._catch_up()
                 return rows, entry[4]
             self._drop_ahead(keep=0)  # not the batch read ahead: the read-ahead batches are abandoned
-        uniq, inverse = distinct(flat[keep])
+        uniq, inverse = distinct(flat if keep is None else flat[keep])
         if not train:
             return host.map(uniq, None, grow=True, now=True), inverse
         seq, self.seq = self.seq, self.seq + 1
@@ -383,7 +387,7 @@ class FileBackedEmbeddingBag(nn.Module):
         keep = (flat >= 0) & (flat < self.num_embeddings)
         if self.padding_idx is not None:
             keep &= flat != self.padding_idx
-        uniq, inverse = distinct(flat[keep])
+        uniq, inverse = distinct(flat if bool(keep.all()) else flat[keep])
         rows, seq = None, self.seq
         if self.training and torch.is_grad_enabled():
             self.seq += 1
