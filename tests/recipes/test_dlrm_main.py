@@ -5,6 +5,7 @@ import torch
 pytest.importorskip("torchmetrics")
 pytest.importorskip("tqdm")
 
+import cachedemb  # noqa: E402
 from cachedemb.recipes.dlrm import main as dlrm_main  # noqa: E402
 
 ROWS = 100_000
@@ -95,15 +96,17 @@ def test_prefetch_gives_the_same_training(data_dir, tmp_path):
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=0, atol=0, msg=k)
 
 
-def test_table_dir_trains_as_in_memory_and_resumes(data_dir, tmp_path):
-    """--table-dir keeps the 26 tables in files behind a 1 MiB host cache: a run stopped after step 8 and resumed
-    from its step-6 checkpoint (the snapshots it names) ends with the in-memory run's AUC, log loss and dense
-    state, bit for bit."""
+@pytest.mark.parametrize("host_mb", ["1", "32"], ids=["in_place", "log"])
+def test_table_dir_trains_as_in_memory_and_resumes(data_dir, tmp_path, host_mb):
+    """--table-dir keeps the 26 tables in files behind a 1 MiB host cache (the larger tables written in place: a
+    log's row map would take over a quarter of their share) or a 32 MiB one (every table a log): a run stopped
+    after step 8 and resumed from its step-6 checkpoint (the snapshots it names) ends with the in-memory run's
+    AUC, log loss and dense state, bit for bit."""
     run = COMMON + ["--data-dir", data_dir, "--epochs", "2", "--limit-batches", "6", "--eval-batches", "2",
                     "--optimizer", "adam"]
     memory = dlrm_main.main(run + ["--checkpoint-dir", str(tmp_path / "mem")])
     part = run + ["--checkpoint-dir", str(tmp_path / "part"), "--table-dir", str(tmp_path / "t2"),
-                  "--host-cache-mb", "1"]
+                  "--host-cache-mb", host_mb]
     dlrm_main.main(part + ["--checkpoint-every", "3", "--stop-after-steps", "8"])
     with pytest.raises(ValueError, match="already holds table files"):
         dlrm_main.main(part)
@@ -112,3 +115,9 @@ def test_table_dir_trains_as_in_memory_and_resumes(data_dir, tmp_path):
     a, b = _final_model(tmp_path / "mem"), _final_model(tmp_path / "part")
     dense = [k for k in a["model"] if not k.startswith("sparse_arch.")]
     assert dense and all(torch.equal(a["model"][k], b["model"][k]) for k in dense)
+    logs = []
+    for path in sorted((tmp_path / "t2").glob("*.cemb")):
+        table = cachedemb.open_table(path)
+        logs.append(table.is_log_file())
+        table.close()
+    assert len(logs) == 26 and (all(logs) if host_mb == "32" else not all(logs)), logs
