@@ -177,13 +177,14 @@ class FileBackedEmbeddingBag(nn.Module):
         header = TableHeader(num_embeddings, embedding_dim, dtype, state_columns(optimizer, embedding_dim),
                              repr(optimizer) if optimizer is not None else "", 1, "", "", 0.0, _shard)
         record = header.layout.record_bytes
-        use_log = storage.wants_log(num_embeddings, storage.rows_per_block or max(1, BLOCK_TARGET_BYTES // record))
-        row_map = num_embeddings * position_dtype(num_embeddings, 1).itemsize if use_log else 0
+        rpb = storage.rows_per_block or max(1, BLOCK_TARGET_BYTES // record)  # a new file's; an old one has its own
+        use_log = storage.wants_log(num_embeddings, rpb)
+        row_map = num_embeddings * position_dtype(num_embeddings, rpb).itemsize if use_log else 0
         rows = _slab_rows_within(storage, record, row_map, num_embeddings)
         if num_embeddings > id_index.MAX_ID:
             raise ValueError(f"a table file holds ids < 2^33 (the host cache's index packs them), got "
                              f"{num_embeddings} rows: shard the table")
-        self.table = self._open_or_create(storage, header, _weight, id_freq, padding_idx, _init, use_log)
+        self.table = self._open_or_create(storage, header, _weight, id_freq, padding_idx, _init, use_log, rpb)
         if self.table.index_bytes() != row_map:  # a file that is a log: its row map comes out of the budget
             try:
                 rows = _slab_rows_within(storage, record, self.table.index_bytes(), num_embeddings)
@@ -211,7 +212,7 @@ class FileBackedEmbeddingBag(nn.Module):
 
     # ----------------------------------------------------------------- the file
     def _open_or_create(self, storage: FileStorage, header: TableHeader, weight, id_freq, padding_idx,
-                        init: TableInit | None, log: bool) -> TableFile:
+                        init: TableInit | None, log: bool, rpb: int) -> TableFile:
         path = Path(storage.path)
         if path.exists():
             if weight is not None:
@@ -221,8 +222,6 @@ class FileBackedEmbeddingBag(nn.Module):
                 raise ValueError(f"id_freq cannot seed the existing table file {str(path)!r}: its counts are in it")
             return TableFile.open(path, writable=True, recover=storage.recover, expect=header,
                                   io_threads=storage.io_threads, log=log, log_slack=storage.log_slack)
-        record = header.layout.record_bytes
-        rpb = storage.rows_per_block or max(1, BLOCK_TARGET_BYTES // record)
         how = "weight" if weight is not None else "normal"
         header = TableHeader(header.num_rows, header.dim, header.dtype, header.state_cols, header.optimizer,
                              rpb, uuid_lib.uuid4().hex, how, time.time(), header.shard)

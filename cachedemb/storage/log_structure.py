@@ -84,9 +84,7 @@ class RowLog:
 
     # ----------------------------------------------------------------- positions
     def offsets(self, ids: np.ndarray) -> np.ndarray:
-        pos = self.loc[ids].astype(np.int64)
-        t = self.table
-        return t.data_offset + (pos // self.rpb) * t.block + (pos % self.rpb) * t.record
+        return self.position_offsets(self.loc[ids].astype(np.int64))
 
     def position_offsets(self, pos: np.ndarray) -> np.ndarray:
         t = self.table

@@ -420,8 +420,8 @@ class TableFile:
             data = self.log.map_bytes()
             meta = dict(meta, row_map=str(self.log.loc.dtype))
         else:
-            data = self.live.astype(np.int64).tobytes()
-        map_bytes = data.nbytes if isinstance(data, memoryview) else len(data)
+            data = memoryview(self.live.astype(np.int64)).cast("B")
+        map_bytes = data.nbytes
         first = self._alloc_run(-(-map_bytes // self.block))
         map_offset = DATA_OFFSET + first * self.block
         self._pwrite_all(data, map_offset)
