@@ -234,6 +234,66 @@ def test_prefetch_trains_as_in_memory(tmp_path, host_rows, windows):
     assert_same_table(ref, ours)
 
 
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("host_rows", [200, 60])
+def test_the_mapper_maps_ahead_beside_the_step(tmp_path, monkeypatch, name, host_rows):
+    """Without device windows the read-ahead batches are mapped on the host cache's mapper thread while the
+    batch before them runs forward and backward. A slowed mapper (each job held until the training thread's
+    inner forward and backward have started) still trains exactly as in memory; the jobs ran, and ran beside
+    the training thread; a host cache too small for the read-ahead falls back to mapping at the forward."""
+    import threading
+    import time
+
+    from cachedemb.storage.embedding_bag import FileBackedEmbeddingBag
+
+    ref, ours = pair(tmp_path, SPECS[name], host_rows, 24, mode="sum", windows=False)
+    real, overlapped = FileBackedEmbeddingBag._map_ahead, []
+    inner_started = threading.Event()
+    real_inner = ours.inner.forward
+
+    def inner_forward(*args, **kwargs):
+        inner_started.set()
+        return real_inner(*args, **kwargs)
+
+    def slow_map_ahead(self):
+        overlapped.append(inner_started.wait(1.0))
+        time.sleep(0.002)
+        inner_started.clear()
+        return real(self)
+
+    monkeypatch.setattr(ours.inner, "forward", inner_forward)
+    monkeypatch.setattr(FileBackedEmbeddingBag, "_map_ahead", slow_map_ahead)
+    data = batches(seed=11, steps=20)
+    for b in cachedemb.prefetch(data, [ours], depth=1, horizon=6):
+        assert torch.equal(step(ref, *b), step(ours, *b))
+    assert_same_table(ref, ours)
+    stats = ours.cache_stats()["host_cache"]
+    assert stats["mapped_in_background"] > 0 and len(overlapped) >= 10 and all(overlapped)
+    assert stats["misses"] > 0 and stats["evicted"] > 0
+    ours.close()
+
+
+def test_a_mapper_error_is_raised_at_the_next_forward(tmp_path, monkeypatch):
+    from cachedemb.storage.table_file import TableFile
+
+    ref, ours = pair(tmp_path, SPECS["sgd"], 200, 24, mode="sum", windows=False)
+    data = batches(seed=12, steps=10)
+    loop = iter(cachedemb.prefetch(data, [ours], depth=1, horizon=4))
+    for _ in range(2):
+        step(ours, *next(loop))
+
+    def broken(self, *args, **kwargs):
+        raise OSError(5, "Input/output error (injected)")
+
+    monkeypatch.setattr(TableFile, "read", broken)
+    with pytest.raises(OSError, match="injected"):
+        for _ in range(8):
+            step(ours, *next(loop))
+    monkeypatch.undo()
+    del loop
+    ours.close()
+
+
 def test_reopen_continues_training(tmp_path):
     spec = SPECS["adam"]
     ref, ours = pair(tmp_path, spec, 50, 8, mode="sum")

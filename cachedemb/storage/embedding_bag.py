@@ -287,7 +287,11 @@ class FileBackedEmbeddingBag(nn.Module):
         keep = valid if self.padding_idx is None else valid & (flat != self.padding_idx)
         every = bool(keep.all())  # no padding or invalid lookup: no masks to apply
         train = self.training and torch.is_grad_enabled()
+        self.host.settle()
         rows_u, inverse = self._batch_rows(flat, None if every else keep, train)
+        background = train and bool(self.ahead) and self._maps_in_background()
+        if background:
+            self.host.note_residency()
         self.host.maybe_resident[rows_u] = True
         self.host.fence(rows_u)
         writes = (train and self.optimizer is not None) or self.max_norm is not None or self.count_in_eval
@@ -302,6 +306,8 @@ class FileBackedEmbeddingBag(nn.Module):
             rows[keep] = torch.from_numpy(rows_u[inverse])
         self.inner.training = self.training
         self.table.prune()
+        if background:  # the next read-ahead batches are mapped while this one runs forward and backward
+            self.host.run_in_background(self._map_ahead)
         return self.inner(rows.view(input.shape).to(input.device), offsets, per_sample_weights)
 
     def _batch_rows(self, flat: torch.Tensor, keep: torch.Tensor | None, train: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -313,8 +319,11 @@ class FileBackedEmbeddingBag(nn.Module):
             if entry[0].shape == flat.shape and torch.equal(entry[0], flat):
                 self.ahead.popleft()
                 host.done_below = entry[3]
+                if entry[1] is None:  # not looked at by the mapper yet
+                    entry[1], entry[4] = self._distinct(entry[0])
                 rows = entry[2] if entry[2] is not None else self._map_now(entry[1], entry[3])
-                self._catch_up()
+                if not self._maps_in_background():
+                    self._catch_up()
                 return rows, entry[4]
             self._drop_ahead(keep=0)  # not the batch read ahead: the read-ahead batches are abandoned
         uniq, inverse = distinct(flat if keep is None else flat[keep])
@@ -359,13 +368,36 @@ class FileBackedEmbeddingBag(nn.Module):
             return True
         return sum(1 for entry in self.ahead if entry[2] is not None) < self.storage.read_ahead
 
-    def _catch_up(self) -> None:
+    def _maps_in_background(self) -> bool:
+        """Whether read-ahead batches are mapped on the host cache's mapper thread, beside the forward and backward
+        of the batch before them: where no device window can admit their rows (those bring the device cache's
+        state into the mapping) and the device cache's slots are readable without a device sync."""
+        return not self._windows() and self.inner.cache.device.type == "cpu"
+
+    def _distinct(self, flat: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """distinct() of a batch's kept lookups (ids in range, not the padding id)."""
+        keep = (flat >= 0) & (flat < self.num_embeddings)
+        if self.padding_idx is not None:
+            keep &= flat != self.padding_idx
+        return distinct(flat if bool(keep.all()) else flat[keep])
+
+    def _map_ahead(self) -> None:
+        """The mapper's job: the distinct ids of batches read ahead since (their cached rows marked for the
+        eviction, as prefetch_targets does), then the batches due to be read ahead mapped (their misses read)."""
+        for entry in self.ahead:
+            if entry[1] is None:
+                entry[1], entry[4] = self._distinct(entry[0])
+                self.host.expect(self.host.find(entry[1]), entry[3])
+        self._catch_up(background=True)
+
+    def _catch_up(self, background: bool = False) -> None:
         """Map queued read-ahead batches whose mapping paused, in order, while they fit."""
         for entry in self.ahead:
             if entry[2] is None:
-                if not self._read_ahead_room():
+                if not self._read_ahead_room() or entry[1] is None:
                     return
-                rows = self.host.map(entry[1], entry[3], grow=False, limit=self.host.base)
+                rows = self.host.map(entry[1], entry[3], grow=False, limit=self.host.base, background=background)
+                self.host.stats["mapped_in_background"] += int(background and rows is not None)
                 if rows is not None:
                     self.host.maybe_resident[rows] = True
                 if rows is None:
@@ -383,10 +415,12 @@ class FileBackedEmbeddingBag(nn.Module):
         if not torch.is_tensor(batch):
             raise TypeError(f"cannot find ids in a {type(batch).__name__}: give prefetch(ids=...)")
         flat = batch.reshape(-1).to(device="cpu", dtype=torch.int64)
-        keep = (flat >= 0) & (flat < self.num_embeddings)
-        if self.padding_idx is not None:
-            keep &= flat != self.padding_idx
-        uniq, inverse = distinct(flat if bool(keep.all()) else flat[keep])
+        self.host.settle()
+        if self.training and torch.is_grad_enabled() and self._maps_in_background():
+            self.ahead.append([flat, None, None, self.seq, None])  # looked at and mapped on the mapper
+            self.seq += 1
+            return []
+        uniq, inverse = self._distinct(flat)
         rows, seq = None, self.seq
         if self.training and torch.is_grad_enabled():
             self.seq += 1
@@ -408,6 +442,7 @@ class FileBackedEmbeddingBag(nn.Module):
     # ----------------------------------------------------------------- flush, snapshots, close
     def flush(self) -> None:
         """Write every updated row (device cache, then host cache) to the file (not yet a snapshot)."""
+        self.host.settle()
         self.inner.flush()
         self.host.flush()
 
@@ -418,6 +453,7 @@ class FileBackedEmbeddingBag(nn.Module):
 
     def rollback(self, seq: int) -> None:
         """Make the file's retained snapshot `seq` the table again (rows written since are dropped)."""
+        self.host.settle()
         if seq not in self.table.snapshots:
             self.table.rollback(seq)  # raises, naming the snapshots kept
         self.host.clear()
@@ -526,6 +562,7 @@ class FileBackedEmbeddingBag(nn.Module):
         """The device cache's counters (CachedEmbeddingBag.cache_stats) plus `host_cache` (hits, misses,
         evicted, written_back, staging_rows, host_bytes) and `file` (rows/bytes read and written, syscalls,
         blocks copied on write, commits, file_bytes)."""
+        self.host.settle()
         stats = self.inner.cache_stats()
         stats["host_cache"] = dict(self.host.stats, rows=self.host.base - self.host.first,
                                    host_bytes=self.host.host_bytes())
@@ -535,6 +572,7 @@ class FileBackedEmbeddingBag(nn.Module):
         return stats
 
     def reset_cache_stats(self) -> None:
+        self.host.settle()
         self.inner.reset_cache_stats()
         self.host.stats = dict.fromkeys(self.host.stats, 0)
         self.table.stats = dict.fromkeys(self.table.stats, 0)
@@ -577,6 +615,7 @@ def _close_table(inner: CachedEmbeddingBag, host: HostRowCache, table: TableFile
     """Flush the device and host caches into the file, commit, release it (once)."""
     if table.closed:
         return
+    host.shutdown()
     inner.flush()
     host.flush()
     table.close({"optimizer_step": inner.optimizer_step, "closed": True})

@@ -22,6 +22,9 @@ the next batch that does not need them.
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import numpy as np
 import torch
 
@@ -88,8 +91,14 @@ class HostRowCache:
         self.writes: list[tuple[np.ndarray, DeferredRecords, IoTicket]] = []  # (ids ascending, records, ticket)
         self.packs: list[DeferredRecords] = []  # write-backs maybe not packed yet (loads into their rows wait)
         self._fields_key, self._record_fields = None, None  # `_fields`: the slab tensors it was built for, it
+        # The mapper: one thread mapping read-ahead batches while the training thread runs a forward and backward
+        # (see `run_in_background`); `resident`: the device cache's rows when that started, which it leaves alone.
+        self._mapper: ThreadPoolExecutor | None = None
+        self._mapper_thread: threading.Thread | None = None
+        self._mapping: Future | None = None
+        self.resident: np.ndarray | None = None
         self.stats = dict.fromkeys(("hits", "misses", "evicted", "written_back", "from_writes", "staging_rows",
-                                    "grown"), 0)
+                                    "grown", "mapped_in_background"), 0)
 
     def _alloc_arrays(self, n: int) -> None:
         self.row_load = np.zeros(n, dtype=np.int64)
@@ -119,24 +128,31 @@ class HostRowCache:
         return self.row_id[rows], rows
 
     def map(self, uniq: np.ndarray, seq: int | None, grow: bool, limit: int | None = None,
-            now: bool = False) -> np.ndarray | None:
+            now: bool = False, background: bool = False) -> np.ndarray | None:
         """Slab rows for distinct ids `uniq` (missing ones allocated and read from the file, asynchronously);
         rows are held for batch `seq` (None: this forward only). Without `grow`, None when the rows
         (below `limit`) cannot all be found (nothing is then allocated). `now`: the forward waits for the rows
-        at once (the calling thread reads a share of them, TableFile.read's `here`)."""
+        at once (the calling thread reads a share of them, TableFile.read's `here`). `background`: on the
+        mapper, beside a forward: rows the device cache holds (`resident`) are neither evicted nor reused."""
+        if background and self.resident is None:
+            return None
         rows = self.find(uniq)
         miss = np.flatnonzero(rows < 0)
         if miss.size:
             limit = self.num_rows if limit is None else limit
-            short = miss.size - int(np.count_nonzero(self.free_mask[:limit]))
+            short = miss.size - self._free_count(limit, background)
             if short > 0:
-                self._evict(short, keep=rows[rows >= 0])
-                short = miss.size - int(np.count_nonzero(self.free_mask[:limit]))
+                keep = rows[rows >= 0]
+                self._evict(short, keep=np.concatenate([keep, self.resident]) if background else keep)
+                short = miss.size - self._free_count(limit, background)
             if short > 0:
                 if not grow:
                     return None
                 self._grow(short)
-            new = np.flatnonzero(self.free_mask[:limit if not grow else None])[: miss.size]
+            free = self.free_mask[:limit if not grow else None]
+            if background:
+                free = free & ~self.maybe_resident[:free.size]
+            new = np.flatnonzero(free)[: miss.size]
             # A free row may still be device-resident: a prefetch window can admit rows read ahead before
             # they were evicted. Its copy goes before the row takes another id (and after the write-back
             # reading the row is packed).
@@ -156,6 +172,44 @@ class HostRowCache:
         if seq is not None:
             self.row_step[rows] = np.maximum(self.row_step[rows], seq)
         return rows
+
+    def _free_count(self, limit: int, background: bool) -> int:
+        free = self.free_mask[:limit]
+        return int(np.count_nonzero(free & ~self.maybe_resident[:limit] if background else free))
+
+    # ----------------------------------------------------------------- the mapper
+    def run_in_background(self, job) -> None:
+        """Run `job` (mapping read-ahead batches) on the mapper thread, after the one before it. It may touch
+        this cache's state, the file and the slab rows outside `resident` and the batches in flight; the
+        training thread touches the rest (its forward and backward in the device cache) meanwhile and calls
+        `settle` before it uses this cache again."""
+        self.settle()
+        if self._mapper is None:
+            self._mapper = ThreadPoolExecutor(1, thread_name_prefix="cachedemb-map")
+            self._mapper_thread = self._mapper.submit(threading.current_thread).result()
+        self._mapping = self._mapper.submit(job)
+
+    def settle(self) -> None:
+        """Wait for the mapper's job (its error raised here); a no-op on the mapper itself."""
+        if self._mapping is None or threading.current_thread() is self._mapper_thread:
+            return
+        job, self._mapping = self._mapping, None
+        job.result()
+
+    def note_residency(self) -> None:
+        """Mark exactly the rows the device cache holds now as `maybe_resident` (where no prefetch window can
+        admit rows behind the forward's back): the mapper then leaves them to the training thread."""
+        cache = self.cache
+        ids = cache.slot_ids[: cache.capacity]
+        self.resident = ids[ids >= 0].numpy()
+        self.maybe_resident[:] = False
+        self.maybe_resident[self.resident] = True
+
+    def shutdown(self) -> None:
+        self.settle()
+        if self._mapper is not None:
+            self._mapper.shutdown()
+            self._mapper = self._mapper_thread = None
 
     def _load(self, ids: np.ndarray, rows: np.ndarray, now: bool = False) -> None:
         """Read rows `ids` into slab `rows` on the pool. A row whose write-back is still in flight is copied from
@@ -218,6 +272,7 @@ class HostRowCache:
         """Wait until the rows being read into `rows` (default: every row) are in the slab: before the device
         cache reads slab rows. Loads land in any order; this waits for every load up to the newest one that
         fills one of `rows`."""
+        self.settle()
         if rows is not None:
             rows = rows.numpy() if torch.is_tensor(rows) else np.asarray(rows)
             newest = int(self.row_load[rows].max()) if rows.size else 0
@@ -317,6 +372,7 @@ class HostRowCache:
 
     def flush(self) -> None:
         """Every dirty slab row to the file (rows stay cached, clean); the device cache must be flushed first."""
+        self.settle()
         self.fence()
         self.write_back(np.flatnonzero(self.dirty))
         self.table.drain()
@@ -325,6 +381,7 @@ class HostRowCache:
     def clear(self) -> None:
         """Forget every cached row (after a flush, or to drop rows the file no longer holds): the device cache
         is emptied of them too."""
+        self.settle()
         self.fence()
         self.drop_device_copies(np.arange(self.num_rows))
         self.index = RowIndex(self.base - self.first)
