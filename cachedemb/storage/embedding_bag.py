@@ -47,7 +47,8 @@ from cachedemb.modules.meta_init import TableInit, iter_init_range
 from cachedemb.kernels import id_index
 from cachedemb.optim import SparseOptimizer
 from cachedemb.storage.format import TableHeader, TableMismatchError, dtype_name
-from cachedemb.storage.host_cache import HostRowCache, distinct, slab_rows
+from cachedemb.cache.ahead import AheadBatch as InnerAhead, accepts_ahead
+from cachedemb.storage.host_cache import BatchDistinct, HostRowCache, distinct, slab_rows
 from cachedemb.storage.log_structure import position_dtype
 from cachedemb.storage.table_file import TableFile, iter_table_rows, open_table
 
@@ -112,6 +113,18 @@ class FileStorage:
         if forced in ("0", "1"):
             return forced == "1"
         return num_rows * position_dtype(num_rows, rows_per_block).itemsize <= self.host_cache_bytes // 4
+
+
+@dataclass
+class AheadBatch:
+    """A training batch read ahead by cachedemb.prefetch, until its forward."""
+
+    flat: torch.Tensor  # its ids, flattened (the forward checks it gets these)
+    seq: int  # its sequence number among training batches
+    distinct: BatchDistinct | None = None  # its kept ids' distinct ids (None: not looked at yet)
+    found: np.ndarray | None = None  # their slab rows when it was looked at (-1: not cached then)
+    rows: np.ndarray | None = None  # their slab rows, held for it (None: not mapped, or un-mapped)
+    inner_unique: tuple | None = None  # the inner forward's unique_ids of those rows (with `rows`)
 
 
 def state_columns(optimizer: SparseOptimizer | None, dim: int) -> tuple:
@@ -206,7 +219,7 @@ class FileBackedEmbeddingBag(nn.Module):
         self.host = HostRowCache(self.table, inner, rows, first=1)
         inner.cache.host_fence = self.host.fence
         self.seq = 0  # sequence number of the next training batch
-        self.ahead: deque = deque()  # read-ahead batches: [flat ids, distinct ids, rows or None, seq, inverse]
+        self.ahead: deque[AheadBatch] = deque()  # the batches read ahead, in training order
         # Closed (flushed, committed, released) by close(), when the module is collected, or at exit.
         self._finalizer = weakref.finalize(self, _close_table, inner, self.host, self.table)
 
@@ -288,7 +301,7 @@ class FileBackedEmbeddingBag(nn.Module):
         every = bool(keep.all())  # no padding or invalid lookup: no masks to apply
         train = self.training and torch.is_grad_enabled()
         self.host.settle()
-        rows_u, inverse = self._batch_rows(flat, None if every else keep, train)
+        rows_u, inverse, inner_unique = self._batch_rows(flat, None if every else keep, train)
         background = train and bool(self.ahead) and self._maps_in_background()
         if background:
             self.host.note_residency()
@@ -301,6 +314,8 @@ class FileBackedEmbeddingBag(nn.Module):
         # inner id out of range, which the inner module repairs and counts as it does for any table.
         if every:
             rows = torch.from_numpy(rows_u[inverse])
+            if inner_unique is not None and self.padding_idx is None and accepts_ahead(self.inner.cache.device):
+                self.inner.cache.ahead = InnerAhead(rows, inner_unique)  # the inner forward need not sort again
         else:
             rows = torch.where(valid, torch.zeros_like(flat), torch.full_like(flat, self.inner.num_embeddings))
             rows[keep] = torch.from_numpy(rows_u[inverse])
@@ -310,29 +325,32 @@ class FileBackedEmbeddingBag(nn.Module):
             self.host.run_in_background(self._map_ahead)
         return self.inner(rows.view(input.shape).to(input.device), offsets, per_sample_weights)
 
-    def _batch_rows(self, flat: torch.Tensor, keep: torch.Tensor | None, train: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(slab row of each distinct id, position of each kept lookup among them) of a forward: the rows read
-        ahead for it, else mapped now. `keep` None: every lookup is kept."""
+    def _batch_rows(self, flat: torch.Tensor, keep: torch.Tensor | None,
+                    train: bool) -> tuple[np.ndarray, np.ndarray, tuple | None]:
+        """(slab row of each distinct id, position of each kept lookup among them, the inner forward's unique ids
+        of the rows if known) of a forward: the rows read ahead for it, else mapped now. `keep` None: every
+        lookup is kept."""
         host = self.host
         if train and self.ahead:
             entry = self.ahead[0]
-            if entry[0].shape == flat.shape and torch.equal(entry[0], flat):
+            if entry.flat.shape == flat.shape and torch.equal(entry.flat, flat):
                 self.ahead.popleft()
-                host.done_below = entry[3]
-                if entry[1] is None:  # not looked at by the mapper yet
-                    entry[1], entry[4] = self._distinct(entry[0])
-                rows = entry[2] if entry[2] is not None else self._map_now(entry[1], entry[3])
+                host.done_below = entry.seq
+                if entry.distinct is None:  # not looked at by the mapper yet
+                    entry.distinct = self._distinct(entry.flat)
+                rows = entry.rows if entry.rows is not None else self._map_now(entry.distinct.ids, entry.seq)
                 if not self._maps_in_background():
                     self._catch_up()
-                return rows, entry[4]
+                inner = entry.inner_unique if entry.rows is not None else None
+                return rows, entry.distinct.inverse, inner
             self._drop_ahead(keep=0)  # not the batch read ahead: the read-ahead batches are abandoned
-        uniq, inverse = distinct(flat if keep is None else flat[keep])
+        batch = distinct(flat if keep is None else flat[keep])
         if not train:
-            return host.map(uniq, None, grow=True, now=True), inverse
+            return host.map(batch.ids, None, grow=True, now=True), batch.inverse, None
         seq, self.seq = self.seq, self.seq + 1
         host.done_below = seq
         host.trim()
-        return self._map_now(uniq, seq), inverse
+        return self._map_now(batch.ids, seq), batch.inverse, None
 
     def _map_now(self, uniq: np.ndarray, seq: int) -> np.ndarray:
         rows = self.host.map(uniq, seq, grow=False, now=True)
@@ -348,8 +366,8 @@ class FileBackedEmbeddingBag(nn.Module):
         host.fence()
         released = False
         for entry in self.ahead:
-            if entry[2] is not None:
-                entry[2] = None
+            if entry.rows is not None:
+                entry.rows = entry.inner_unique = None
                 released = True
         if released:
             host.row_step[host.row_step >= host.done_below] = host.done_below - 1
@@ -366,7 +384,7 @@ class FileBackedEmbeddingBag(nn.Module):
         held for many batches ahead shrink the cache the batches in between can use)."""
         if self._windows():
             return True
-        return sum(1 for entry in self.ahead if entry[2] is not None) < self.storage.read_ahead
+        return sum(1 for entry in self.ahead if entry.rows is not None) < self.storage.read_ahead
 
     def _maps_in_background(self) -> bool:
         """Whether read-ahead batches are mapped on the host cache's mapper thread, beside the forward and backward
@@ -374,35 +392,40 @@ class FileBackedEmbeddingBag(nn.Module):
         state into the mapping) and the device cache's slots are readable without a device sync."""
         return not self._windows() and self.inner.cache.device.type == "cpu"
 
-    def _distinct(self, flat: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    def _distinct(self, flat: torch.Tensor) -> BatchDistinct:
         """distinct() of a batch's kept lookups (ids in range, not the padding id)."""
         keep = (flat >= 0) & (flat < self.num_embeddings)
         if self.padding_idx is not None:
             keep &= flat != self.padding_idx
-        return distinct(flat if bool(keep.all()) else flat[keep])
+        every = bool(keep.all())
+        return distinct(flat if every else flat[keep], groups=every and self._maps_in_background())
 
     def _map_ahead(self) -> None:
         """The mapper's job: the distinct ids of batches read ahead since (their cached rows marked for the
-        eviction, as prefetch_targets does), then the batches due to be read ahead mapped (their misses read)."""
+        eviction, as prefetch_targets does), then the batches due to be read ahead mapped (their misses read),
+        with the unique slab rows their inner forwards would sort out."""
         for entry in self.ahead:
-            if entry[1] is None:
-                entry[1], entry[4] = self._distinct(entry[0])
-                self.host.expect(self.host.find(entry[1]), entry[3])
+            if entry.distinct is None:
+                entry.distinct = self._distinct(entry.flat)
+                entry.found = self.host.find(entry.distinct.ids)
+                self.host.expect(entry.found, entry.seq)
         self._catch_up(background=True)
 
     def _catch_up(self, background: bool = False) -> None:
         """Map queued read-ahead batches whose mapping paused, in order, while they fit."""
         for entry in self.ahead:
-            if entry[2] is None:
-                if not self._read_ahead_room() or entry[1] is None:
+            if entry.rows is None:
+                if not self._read_ahead_room() or entry.distinct is None:
                     return
-                rows = self.host.map(entry[1], entry[3], grow=False, limit=self.host.base, background=background)
-                self.host.stats["mapped_in_background"] += int(background and rows is not None)
-                if rows is not None:
-                    self.host.maybe_resident[rows] = True
+                rows = self.host.map(entry.distinct.ids, entry.seq, grow=False, limit=self.host.base,
+                                     background=background, found=entry.found)
                 if rows is None:
                     return
-                entry[2] = rows
+                self.host.maybe_resident[rows] = True
+                entry.rows = rows
+                if background:
+                    self.host.stats["mapped_in_background"] += 1
+                    entry.inner_unique = entry.distinct.slab_unique(rows)
 
     def prefetch_targets(self, batch) -> list:
         """The prefetch stage (cachedemb.prefetch reads batches ahead in training order): a training-mode module
@@ -417,16 +440,17 @@ class FileBackedEmbeddingBag(nn.Module):
         flat = batch.reshape(-1).to(device="cpu", dtype=torch.int64)
         self.host.settle()
         if self.training and torch.is_grad_enabled() and self._maps_in_background():
-            self.ahead.append([flat, None, None, self.seq, None])  # looked at and mapped on the mapper
+            self.ahead.append(AheadBatch(flat, self.seq))  # looked at and mapped on the mapper
             self.seq += 1
             return []
-        uniq, inverse = self._distinct(flat)
+        batch = self._distinct(flat)
+        uniq = batch.ids
         rows, seq = None, self.seq
         if self.training and torch.is_grad_enabled():
             self.seq += 1
-            if all(entry[2] is not None for entry in self.ahead) and self._read_ahead_room():
+            if all(entry.rows is not None for entry in self.ahead) and self._read_ahead_room():
                 rows = self.host.map(uniq, seq, grow=False, limit=self.host.base)
-            self.ahead.append([flat, uniq, rows, seq, inverse])
+            self.ahead.append(AheadBatch(flat, seq, batch, rows=rows))
         if rows is None:
             rows = self.host.find(uniq)
             if self.training and torch.is_grad_enabled():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -43,14 +44,52 @@ EVICT_FRACTION = 8
 WRITE_ROWS = 1 << 14  # rows per write-back batch
 
 
-def distinct(ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """(ascending distinct ids, position of each id among them) of a 1-D int64 host tensor: `np.unique`'s
-    answer through the packed-key sort (kernels/host_sort.py), about half its time."""
+@dataclass
+class BatchDistinct:
+    """A batch's distinct ids (ascending), each lookup's position among them, and the stable sort they came from
+    (its permutation and the run lengths), kept to hand the inner forward its unique slab rows."""
+
+    ids: np.ndarray
+    inverse: np.ndarray
+    perm: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+
+    def slab_unique(self, rows: np.ndarray) -> tuple | None:
+        """What `kernels.unique_ids(slab_rows, None, return_groups=True)` returns for the batch's lookups mapped
+        to slab rows `rows` (one per distinct id, all different), from this sort instead of sorting the rows'
+        lookups again: the distinct rows sorted, and each id's run of lookups moved to its row's place."""
+        n, B = rows.size, self.inverse.size
+        if self.perm is None or n == 0:
+            return None
+        rows_t = torch.from_numpy(rows)
+        uniq, order = stable_sort(rows_t, (0, int(rows.max())))
+        rank = torch.empty(n, dtype=torch.int64)
+        rank[order] = torch.arange(n, dtype=torch.int64)
+        inverse = rank.index_select(0, torch.from_numpy(self.inverse))
+        counts = self.counts.index_select(0, order)
+        run_start = (torch.cumsum(self.counts, 0) - self.counts).index_select(0, order)
+        shift = torch.repeat_interleave(run_start - (torch.cumsum(counts, 0) - counts), counts, output_size=B)
+        perm = self.perm.index_select(0, shift + torch.arange(B, dtype=torch.int64))
+        uniq_buf = torch.full((B,), -1, dtype=torch.int64)
+        uniq_buf[:n] = uniq
+        count_buf = torch.zeros(B, dtype=torch.int64)
+        count_buf[:n] = counts
+        ptr = torch.cat([count_buf.new_zeros(1), torch.cumsum(count_buf, 0)])
+        return uniq_buf, inverse, count_buf, torch.tensor([n], dtype=torch.int64), (perm, ptr)
+
+
+def distinct(ids: torch.Tensor, groups: bool = False) -> BatchDistinct:
+    """The distinct ids of a 1-D int64 host tensor, as `np.unique(..., return_inverse=True)` answers, through the
+    packed-key sort (kernels/host_sort.py), about half its time; `groups`: the sort kept too."""
     ids = ids.reshape(-1).to(torch.int64)
     if ids.numel() < 2:
-        return ids.numpy().copy(), np.zeros(ids.numel(), dtype=np.int64)
-    uniq, inverse = unique_of_sort(*stable_sort(ids))
-    return uniq.numpy(), inverse.numpy()
+        return BatchDistinct(ids.numpy().copy(), np.zeros(ids.numel(), dtype=np.int64))
+    s_ids, s_perm = stable_sort(ids)
+    if not groups:
+        uniq, inverse = unique_of_sort(s_ids, s_perm)
+        return BatchDistinct(uniq.numpy(), inverse.numpy())
+    uniq, inverse, counts = unique_of_sort(s_ids, s_perm, counts=True)
+    return BatchDistinct(uniq.numpy(), inverse.numpy(), s_perm.to(torch.int64), counts.to(torch.int64))
 
 
 def _positions_in(ids: np.ndarray, ascending: np.ndarray) -> np.ndarray:
@@ -123,20 +162,28 @@ class HostRowCache:
         """Slab row of each id, -1 where it is not in the host cache (read-only)."""
         return self.index.lookup(uniq)
 
+    def _still_found(self, uniq: np.ndarray, found: np.ndarray) -> np.ndarray:
+        rows = found.copy()
+        again = np.flatnonzero((rows < 0) | (self.row_id[rows] != uniq))
+        rows[again] = self.find(uniq[again])
+        return rows
+
     def _live(self):
         rows = np.flatnonzero(self.row_id >= 0)
         return self.row_id[rows], rows
 
     def map(self, uniq: np.ndarray, seq: int | None, grow: bool, limit: int | None = None,
-            now: bool = False, background: bool = False) -> np.ndarray | None:
+            now: bool = False, background: bool = False, found: np.ndarray | None = None) -> np.ndarray | None:
         """Slab rows for distinct ids `uniq` (missing ones allocated and read from the file, asynchronously);
         rows are held for batch `seq` (None: this forward only). Without `grow`, None when the rows
         (below `limit`) cannot all be found (nothing is then allocated). `now`: the forward waits for the rows
         at once (the calling thread reads a share of them, TableFile.read's `here`). `background`: on the
-        mapper, beside a forward: rows the device cache holds (`resident`) are neither evicted nor reused."""
+        mapper, beside a forward: rows the device cache holds (`resident`) are neither evicted nor reused.
+        `found`: `find(uniq)` as it answered earlier (only the ids it missed, or whose rows changed hands since,
+        are looked up again)."""
         if background and self.resident is None:
             return None
-        rows = self.find(uniq)
+        rows = self.find(uniq) if found is None else self._still_found(uniq, found)
         miss = np.flatnonzero(rows < 0)
         if miss.size:
             limit = self.num_rows if limit is None else limit
