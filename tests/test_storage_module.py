@@ -398,3 +398,27 @@ def test_dropped_module_commits_its_rows(tmp_path):
     assert again.optimizer_step == 5
     assert_same_table(ref, again)
     again.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_slab_unique_is_the_inner_forwards_unique_ids(monkeypatch, native):
+    """The unique slab rows the mapper hands the inner forward equal what its own `unique_ids` would compute
+    from the batch's rows (values and dtypes, groups included): the C pass and the torch code."""
+    from cachedemb import kernels
+    from cachedemb.storage import slab_groups
+    from cachedemb.storage.host_cache import distinct
+
+    if native and slab_groups._C.get() is None:
+        pytest.skip("no C compiler: the torch code runs")
+    monkeypatch.setattr(slab_groups, "enabled", native)
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        lookups, ids = int(rng.integers(2, 3000)), int(rng.integers(2, 5000))
+        flat = torch.from_numpy(rng.integers(0, ids, lookups))
+        batch = distinct(flat, groups=True)
+        assert np.array_equal(batch.ids, np.unique(flat.numpy()))
+        rows = rng.permutation(10 * ids)[: batch.ids.size] + 1  # distinct slab rows, in no order
+        got = batch.slab_unique(rows)
+        want = kernels.unique_ids(torch.from_numpy(rows[batch.inverse]), None, return_groups=True)
+        for a, b in zip(list(got[:4]) + list(got[4]), list(want[:4]) + list(want[4])):
+            assert a.dtype == b.dtype and torch.equal(a, b), trial

@@ -31,7 +31,7 @@ import torch
 
 from cachedemb.kernels.host_sort import stable_sort, unique_of_sort
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
-from cachedemb.storage import record_copy
+from cachedemb.storage import record_copy, slab_groups
 from cachedemb.storage.record_copy import RecordFields
 from cachedemb.storage.row_index import RowIndex
 from cachedemb.storage.slab_victims import victim_keys
@@ -55,27 +55,11 @@ class BatchDistinct:
     counts: torch.Tensor | None = None
 
     def slab_unique(self, rows: np.ndarray) -> tuple | None:
-        """What `kernels.unique_ids(slab_rows, None, return_groups=True)` returns for the batch's lookups mapped
-        to slab rows `rows` (one per distinct id, all different), from this sort instead of sorting the rows'
-        lookups again: the distinct rows sorted, and each id's run of lookups moved to its row's place."""
-        n, B = rows.size, self.inverse.size
-        if self.perm is None or n == 0:
+        """What the inner forward's `unique_ids` returns for the batch's lookups mapped to the distinct slab rows
+        `rows` (one per distinct id), from this sort (cachedemb/storage/slab_groups.py); None without it."""
+        if self.perm is None or rows.size == 0:
             return None
-        rows_t = torch.from_numpy(rows)
-        uniq, order = stable_sort(rows_t, (0, int(rows.max())))
-        rank = torch.empty(n, dtype=torch.int64)
-        rank[order] = torch.arange(n, dtype=torch.int64)
-        inverse = rank.index_select(0, torch.from_numpy(self.inverse))
-        counts = self.counts.index_select(0, order)
-        run_start = (torch.cumsum(self.counts, 0) - self.counts).index_select(0, order)
-        shift = torch.repeat_interleave(run_start - (torch.cumsum(counts, 0) - counts), counts, output_size=B)
-        perm = self.perm.index_select(0, shift + torch.arange(B, dtype=torch.int64))
-        uniq_buf = torch.full((B,), -1, dtype=torch.int64)
-        uniq_buf[:n] = uniq
-        count_buf = torch.zeros(B, dtype=torch.int64)
-        count_buf[:n] = counts
-        ptr = torch.cat([count_buf.new_zeros(1), torch.cumsum(count_buf, 0)])
-        return uniq_buf, inverse, count_buf, torch.tensor([n], dtype=torch.int64), (perm, ptr)
+        return slab_groups.slab_unique(rows, self.inverse, self.perm, self.counts)
 
 
 def distinct(ids: torch.Tensor, groups: bool = False) -> BatchDistinct:
@@ -247,8 +231,8 @@ class HostRowCache:
         """Mark exactly the rows the device cache holds now as `maybe_resident` (where no prefetch window can
         admit rows behind the forward's back): the mapper then leaves them to the training thread."""
         cache = self.cache
-        ids = cache.slot_ids[: cache.capacity]
-        self.resident = ids[ids >= 0].numpy()
+        ids = cache.slot_ids[: cache.capacity].numpy()
+        self.resident = ids[ids >= 0]
         self.maybe_resident[:] = False
         self.maybe_resident[self.resident] = True
 
