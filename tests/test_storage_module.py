@@ -273,6 +273,29 @@ def test_the_mapper_maps_ahead_beside_the_step(tmp_path, monkeypatch, name, host
     ours.close()
 
 
+def test_a_module_dropped_beside_its_mapper_is_closed_with_every_step(tmp_path):
+    """A module let go in the middle of a prefetch loop (no close) is flushed and committed when collected,
+    whichever thread drops it last (the mapper's job keeps no reference to it): reopened, it holds every step."""
+    import gc
+
+    spec = SPECS["adagrad"]
+    ref, ours = pair(tmp_path, spec, 60, 8, mode="sum", windows=False)
+    data = batches(seed=13, steps=12)
+    loop = iter(cachedemb.prefetch(data, [ours], depth=1, horizon=4))
+    for _ in range(7):
+        b = next(loop)
+        step(ref, *b), step(ours, *b)
+    assert ours.cache_stats()["host_cache"]["mapped_in_background"] > 0
+    del loop, ours, b
+    gc.collect()
+    again = cachedemb.CachedEmbeddingBag(N, D, mode="sum", cache_rows=8, optimizer=spec, device="cpu",
+                                         storage=cachedemb.FileStorage(tmp_path / "t.cemb",
+                                                                       host_cache_bytes=host_bytes_for(60, spec)))
+    assert again.optimizer_step == 7
+    assert_same_table(ref, again)
+    again.close()
+
+
 def test_a_mapper_error_is_raised_at_the_next_forward(tmp_path, monkeypatch):
     from cachedemb.storage.table_file import TableFile
 

@@ -32,6 +32,7 @@ import time
 import uuid as uuid_lib
 import weakref
 from collections import deque
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -322,7 +323,7 @@ class FileBackedEmbeddingBag(nn.Module):
         self.inner.training = self.training
         self.table.prune()
         if background:  # the next read-ahead batches are mapped while this one runs forward and backward
-            self.host.run_in_background(self._map_ahead)
+            self.host.run_in_background(partial(_map_ahead_of, weakref.ref(self)))  # the job keeps no module alive
         return self.inner(rows.view(input.shape).to(input.device), offsets, per_sample_weights)
 
     def _batch_rows(self, flat: torch.Tensor, keep: torch.Tensor | None,
@@ -625,6 +626,12 @@ def _slab_rows_within(storage: FileStorage, record: int, row_map: int, num_rows:
         raise ValueError(f"FileStorage.host_cache_bytes={storage.host_cache_bytes} holds no row of {record} bytes "
                          f"with its bookkeeping and index{extra}")
     return rows
+
+
+def _map_ahead_of(module_ref) -> None:
+    module = module_ref()
+    if module is not None:
+        module._map_ahead()
 
 
 def _uuid_tensor(hex_uuid: str) -> torch.Tensor:

@@ -237,10 +237,15 @@ class HostRowCache:
         self.maybe_resident[self.resident] = True
 
     def shutdown(self) -> None:
-        self.settle()
-        if self._mapper is not None:
-            self._mapper.shutdown()
-            self._mapper = self._mapper_thread = None
+        """Wait for the mapper's job and end its thread (from the mapper itself, as a finalizer may run there:
+        without joining it)."""
+        on_mapper = threading.current_thread() is self._mapper_thread
+        try:
+            self.settle()
+        finally:
+            if self._mapper is not None:
+                self._mapper.shutdown(wait=not on_mapper)
+                self._mapper = self._mapper_thread = None
 
     def _load(self, ids: np.ndarray, rows: np.ndarray, now: bool = False) -> None:
         """Read rows `ids` into slab `rows` on the pool. A row whose write-back is still in flight is copied from
