@@ -428,12 +428,12 @@ def test_slab_unique_is_the_inner_forwards_unique_ids(monkeypatch, native):
     """The unique slab rows the mapper hands the inner forward equal what its own `unique_ids` would compute
     from the batch's rows (values and dtypes, groups included): the C pass and the torch code."""
     from cachedemb import kernels
-    from cachedemb.storage import slab_groups
+    from cachedemb.storage import inner_unique
     from cachedemb.storage.host_cache import distinct
 
-    if native and slab_groups._C.get() is None:
+    if native and inner_unique._C.get() is None:
         pytest.skip("no C compiler: the torch code runs")
-    monkeypatch.setattr(slab_groups, "enabled", native)
+    monkeypatch.setattr(inner_unique, "enabled", native)
     rng = np.random.default_rng(0)
     for trial in range(40):
         lookups, ids = int(rng.integers(2, 3000)), int(rng.integers(2, 5000))

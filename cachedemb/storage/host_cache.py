@@ -31,7 +31,7 @@ import torch
 
 from cachedemb.kernels.host_sort import stable_sort, unique_of_sort
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
-from cachedemb.storage import record_copy, slab_groups
+from cachedemb.storage import inner_unique, record_copy
 from cachedemb.storage.record_copy import RecordFields
 from cachedemb.storage.row_index import RowIndex
 from cachedemb.storage.slab_victims import victim_keys
@@ -56,10 +56,10 @@ class BatchDistinct:
 
     def slab_unique(self, rows: np.ndarray) -> tuple | None:
         """What the inner forward's `unique_ids` returns for the batch's lookups mapped to the distinct slab rows
-        `rows` (one per distinct id), from this sort (cachedemb/storage/slab_groups.py); None without it."""
+        `rows` (one per distinct id), from this sort (cachedemb/storage/inner_unique.py); None without it."""
         if self.perm is None or rows.size == 0:
             return None
-        return slab_groups.slab_unique(rows, self.inverse, self.perm, self.counts)
+        return inner_unique.slab_unique(rows, self.inverse, self.perm, self.counts)
 
 
 def distinct(ids: torch.Tensor, groups: bool = False) -> BatchDistinct:

@@ -1,11 +1,11 @@
 /* A read-ahead batch's unique slab rows in the form the inner forward's unique_ids returns them
- * (cachedemb/storage/slab_groups.py), from the sort of its table ids: loaded with ctypes (no GIL). Distinct id j
+ * (cachedemb/storage/inner_unique.py), from the sort of its table ids: loaded with ctypes (no GIL). Distinct id j
  * sits in slab row rows[j]; order sorts the rows ascending. Unique position k holds row rows[order[k]]; its
  * lookups are id order[k]'s run of the id sort (s_perm[start .. start + counts)), already in lookup order. */
 #include <stdint.h>
 #include <string.h>
 
-void cemb_slab_groups(const int64_t *order, const int64_t *rows, const int64_t *inverse, const int64_t *s_perm,
+void cemb_inner_unique(const int64_t *order, const int64_t *rows, const int64_t *inverse, const int64_t *s_perm,
                       const int64_t *counts, int64_t n, int64_t B, int64_t *scratch, int64_t *uniq,
                       int64_t *inv_out, int64_t *cnt_out, int64_t *perm_out, int64_t *ptr) {
     int64_t *rank = scratch, *start = scratch + n;
