@@ -79,13 +79,22 @@ def test_rows_round_trip_in_any_order(tmp_path):
     t.close()
 
 
+def far_apart(t):
+    """Rows whose records are too far apart to share a read (rowio.READ_GAP): a span each, enough for every part."""
+    from cachedemb.storage import rowio
+
+    ids = np.arange(0, N, 2 + (rowio.READ_GAP + t.record) // t.record)
+    assert ids.size > 2 * t._readers._max_workers
+    return ids
+
+
 def test_a_read_waited_for_at_once_takes_a_share_on_the_calling_thread(tmp_path):
     """`here=True` (the forward waits for its misses): the caller reads the last part itself; the records are
     the same as the pool's alone, and its error (a truncated file) is raised at wait(), as a worker's is."""
     import threading
 
     t = create(tmp_path / "t.cemb")
-    ids = np.arange(0, N, 3)  # not adjacent: one span each, enough for every part
+    ids = far_apart(t)
     threads = []
     ticket = t.read(ids, sink=lambda records, order: threads.append(threading.get_ident()), here=True)
     mine, _ = ticket.wait()
@@ -240,7 +249,7 @@ def test_reads_are_split_over_the_readers_only_while_records_come_from_the_disk(
     from cachedemb.storage.table_file import COLD_SHARE
 
     t = create(tmp_path / "t.cemb")
-    ids = np.arange(0, N, 3)  # not adjacent: one span each, enough for every part
+    ids = far_apart(t)
     me = threading.get_ident()
 
     def parts(disk_share, here):
@@ -373,3 +382,39 @@ def test_torn_superblock_keeps_the_newest_snapshot(tmp_path):
     assert sorted(t.snapshots) == [newest]
     assert torch.equal(read(t, [4])[0], torch.full((1, D), 6.0))
     t.close()
+
+
+def test_reads_span_records_a_small_gap_apart(tmp_path):
+    """rowio: a read covers records at most READ_GAP bytes apart (one call, the gaps read into a scratch buffer),
+    and gives each record's bytes exactly, as one pread a record does; spans grouped otherwise (adjacent only,
+    or gaps wider than READ_GAP handed to the C loop) read the same; a span running past the end of the file
+    is named by its index."""
+    from cachedemb.storage import rowio
+
+    rng = np.random.default_rng(3)
+    rec, size = 24, 200_000
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for trial in range(30):
+            gaps = rng.choice([0, 1, 100, rowio.READ_GAP - 1, rowio.READ_GAP, rowio.READ_GAP + 1, 5000], 300)
+            offsets = np.cumsum(gaps + rec) - rec
+            offsets = offsets[offsets + rec <= size].astype(np.int64)
+            want = np.stack([data[o: o + rec] for o in offsets]).reshape(-1)
+            for starts in (rowio.read_spans(offsets, rec),
+                           np.flatnonzero(np.diff(offsets, prepend=-1 - rec) != rec).tolist() + [offsets.size],
+                           [0, offsets.size]):
+                starts = np.asarray(starts, dtype=np.int64)
+                buf = np.zeros(offsets.size * rec, dtype=np.uint8)
+                assert rowio.pread_spans(fd, offsets, starts, rec, buf) == 0
+                assert np.array_equal(buf, want), trial
+        spans = rowio.read_spans(offsets, rec)
+        assert spans.size - 1 < offsets.size  # records near each other share a call
+        past = np.append(offsets, size - rec // 2).astype(np.int64)  # the last record crosses the end
+        starts = rowio.read_spans(past, rec)
+        buf = np.zeros(past.size * rec, dtype=np.uint8)
+        assert rowio.pread_spans(fd, past, starts, rec, buf) == starts.size - 1
+    finally:
+        os.close(fd)

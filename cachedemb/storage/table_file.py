@@ -516,7 +516,7 @@ class TableFile:
         offsets = self.row_offsets(ids)
         order = np.argsort(offsets)  # distinct rows, distinct offsets: no stable sort needed (5x its speed)
         offsets = offsets[order]
-        return offsets, order, _spans(offsets, self.record)
+        return offsets, order, rowio.read_spans(offsets, self.record)
 
     def _read_whole(self, ids: np.ndarray, buf: np.ndarray, records, order_t, sink) -> None:
         offsets, order, spans = self._sorted_spans(ids)
@@ -648,7 +648,7 @@ class TableFile:
         """Records at ascending positions (log mode's cleaning), read here: [n, record] uint8."""
         offsets = self.log.position_offsets(pos)
         buf = np.empty((pos.size, self.record), dtype=np.uint8)
-        spans = _spans(offsets, self.record)
+        spans = rowio.read_spans(offsets, self.record)
         if rowio.pread_spans(self.fd, offsets, spans, self.record, buf):
             raise CorruptTableError(f"table file {str(self.path)!r}: the file ends inside a record being "
                                     "moved (truncated while open?)")
