@@ -345,7 +345,7 @@ class FileBackedEmbeddingBag(nn.Module):
                 inner = entry.inner_unique if entry.rows is not None else None
                 return rows, entry.distinct.inverse, inner
             self._drop_ahead(keep=0)  # not the batch read ahead: the read-ahead batches are abandoned
-        batch = distinct(flat if keep is None else flat[keep])
+        batch = distinct(flat if keep is None else flat[keep], bound=self.num_embeddings)
         if not train:
             return host.map(batch.ids, None, grow=True, now=True), batch.inverse, None
         seq, self.seq = self.seq, self.seq + 1
@@ -399,7 +399,8 @@ class FileBackedEmbeddingBag(nn.Module):
         if self.padding_idx is not None:
             keep &= flat != self.padding_idx
         every = bool(keep.all())
-        return distinct(flat if every else flat[keep], groups=every and self._maps_in_background())
+        return distinct(flat if every else flat[keep], groups=every and self._maps_in_background(),
+                        bound=self.num_embeddings)
 
     def _map_ahead(self) -> None:
         """The mapper's job: the distinct ids of batches read ahead since (their cached rows marked for the

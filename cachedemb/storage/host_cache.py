@@ -62,13 +62,14 @@ class BatchDistinct:
         return inner_unique.slab_unique(rows, self.inverse, self.perm, self.counts)
 
 
-def distinct(ids: torch.Tensor, groups: bool = False) -> BatchDistinct:
+def distinct(ids: torch.Tensor, groups: bool = False, bound: int | None = None) -> BatchDistinct:
     """The distinct ids of a 1-D int64 host tensor, as `np.unique(..., return_inverse=True)` answers, through the
-    packed-key sort (kernels/host_sort.py), about half its time; `groups`: the sort kept too."""
+    packed-key sort (kernels/host_sort.py), about half its time; `groups`: the sort kept too; `bound`: every id
+    is in [0, bound) (spares the sort a min/max pass)."""
     ids = ids.reshape(-1).to(torch.int64)
     if ids.numel() < 2:
         return BatchDistinct(ids.numpy().copy(), np.zeros(ids.numel(), dtype=np.int64))
-    s_ids, s_perm = stable_sort(ids)
+    s_ids, s_perm = stable_sort(ids, None if bound is None else (0, max(bound - 1, 0)))
     if not groups:
         uniq, inverse = unique_of_sort(s_ids, s_perm)
         return BatchDistinct(uniq.numpy(), inverse.numpy())
