@@ -32,14 +32,15 @@ import time
 import uuid as uuid_lib
 import weakref
 from collections import deque
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from cachedemb.cache.ahead import AheadBatch, accepts_ahead
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.modules.errors import InvalidIdError, InvalidInputTypeError, NotATensorError
 from cachedemb.modules.factory import register_storage
@@ -48,7 +49,6 @@ from cachedemb.modules.meta_init import TableInit, iter_init_range
 from cachedemb.kernels import id_index
 from cachedemb.optim import SparseOptimizer
 from cachedemb.storage.format import TableHeader, TableMismatchError, dtype_name
-from cachedemb.cache.ahead import AheadBatch as InnerAhead, accepts_ahead
 from cachedemb.storage.host_cache import BatchDistinct, HostRowCache, distinct, slab_rows
 from cachedemb.storage.log_structure import position_dtype
 from cachedemb.storage.table_file import TableFile, iter_table_rows, open_table
@@ -117,8 +117,8 @@ class FileStorage:
 
 
 @dataclass
-class AheadBatch:
-    """A training batch read ahead by cachedemb.prefetch, until its forward."""
+class ReadAheadBatch:
+    """A training batch read ahead by cachedemb.prefetch, until its forward (the file tier's view of it)."""
 
     flat: torch.Tensor  # its ids, flattened (the forward checks it gets these)
     seq: int  # its sequence number among training batches
@@ -220,7 +220,7 @@ class FileBackedEmbeddingBag(nn.Module):
         self.host = HostRowCache(self.table, inner, rows, first=1)
         inner.cache.host_fence = self.host.fence
         self.seq = 0  # sequence number of the next training batch
-        self.ahead: deque[AheadBatch] = deque()  # the batches read ahead, in training order
+        self.ahead: deque[ReadAheadBatch] = deque()  # the batches read ahead, in training order
         # Closed (flushed, committed, released) by close(), when the module is collected, or at exit.
         self._finalizer = weakref.finalize(self, _close_table, inner, self.host, self.table)
 
@@ -316,7 +316,7 @@ class FileBackedEmbeddingBag(nn.Module):
         if every:
             rows = torch.from_numpy(rows_u[inverse])
             if inner_unique is not None and self.padding_idx is None and accepts_ahead(self.inner.cache.device):
-                self.inner.cache.ahead = InnerAhead(rows, inner_unique)  # the inner forward need not sort again
+                self.inner.cache.ahead = AheadBatch(rows, inner_unique)  # the inner forward need not sort again
         else:
             rows = torch.where(valid, torch.zeros_like(flat), torch.full_like(flat, self.inner.num_embeddings))
             rows[keep] = torch.from_numpy(rows_u[inverse])
@@ -442,7 +442,7 @@ class FileBackedEmbeddingBag(nn.Module):
         flat = batch.reshape(-1).to(device="cpu", dtype=torch.int64)
         self.host.settle()
         if self.training and torch.is_grad_enabled() and self._maps_in_background():
-            self.ahead.append(AheadBatch(flat, self.seq))  # looked at and mapped on the mapper
+            self.ahead.append(ReadAheadBatch(flat, self.seq))  # looked at and mapped on the mapper
             self.seq += 1
             return []
         batch = self._distinct(flat)
@@ -452,7 +452,7 @@ class FileBackedEmbeddingBag(nn.Module):
             self.seq += 1
             if all(entry.rows is not None for entry in self.ahead) and self._read_ahead_room():
                 rows = self.host.map(uniq, seq, grow=False, limit=self.host.base)
-            self.ahead.append(AheadBatch(flat, seq, batch, rows=rows))
+            self.ahead.append(ReadAheadBatch(flat, seq, batch, rows=rows))
         if rows is None:
             rows = self.host.find(uniq)
             if self.training and torch.is_grad_enabled():
