@@ -13,7 +13,8 @@ cache (posix_fadvise(DONTNEED), not timed) before every block.
 Per run: median seconds per step of each, the median of the block-by-block ratios, the file step over the
 in-memory step timed before any file existed (`ratio_to_clean_memory`: the kernel's write-back of the file's dirty
 pages also slows the memory blocks it lands in), rows/s read and written,
-bytes read per step as requested from the file (records) and as read from the disk (/proc/self/io read_bytes:
+bytes read per step as requested from the file (records; `gap_bytes_read_per_step`: the bytes between records that
+reads spanning nearby records copy besides) and as read from the disk (/proc/self/io read_bytes:
 whole pages, cold runs), against the lower bound: the host cache's misses x record bytes.
 
     python scripts/bench_storage.py --out benchmarks/results/storage_cpu.json
@@ -96,6 +97,7 @@ def rounds(file_mod, mem, batches, offsets, warmup: int, n_rounds: int, block: i
             "disk_bytes_read_per_step": (end["disk"] - marks["disk"]) / n,
             "lower_bound_bytes_per_step": misses * record / n, "host_misses_per_step": misses / n,
             "read_calls_per_step": (end["read_calls"] - marks["read_calls"]) / n,
+            "gap_bytes_read_per_step": (end.get("gap_bytes_read", 0) - marks.get("gap_bytes_read", 0)) / n,
             "blocks_copied": end["blocks_copied"] - marks["blocks_copied"],
             "rows_cleaned_per_step": (end.get("rows_cleaned", 0) - marks.get("rows_cleaned", 0)) / n,
             "blocks_cleaned": end.get("blocks_cleaned", 0) - marks.get("blocks_cleaned", 0),

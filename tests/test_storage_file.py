@@ -412,6 +412,8 @@ def test_reads_span_records_a_small_gap_apart(tmp_path):
                 assert np.array_equal(buf, want), trial
         spans = rowio.read_spans(offsets, rec)
         assert spans.size - 1 < offsets.size  # records near each other share a call
+        between = [int(offsets[j + 1] - offsets[j] - rec) for j in range(offsets.size - 1)]
+        assert rowio.gap_bytes(offsets, spans, rec) == sum(g for g in between if g <= rowio.READ_GAP) > 0
         past = np.append(offsets, size - rec // 2).astype(np.int64)  # the last record crosses the end
         starts = rowio.read_spans(past, rec)
         buf = np.zeros(past.size * rec, dtype=np.uint8)

@@ -72,6 +72,14 @@ def read_spans(offsets: np.ndarray, rec: int) -> np.ndarray:
     return np.concatenate([[0], breaks, [offsets.size]]).astype(np.int64)
 
 
+def gap_bytes(offsets: np.ndarray, starts: np.ndarray, rec: int) -> int:
+    """Bytes between the records of these spans: what a read copies beyond the records it was asked for."""
+    if starts.size < 2:
+        return 0
+    first, last = offsets[starts[:-1]], offsets[starts[1:] - 1]
+    return int((last + rec - first).sum()) - int(starts[-1] - starts[0]) * rec
+
+
 def pread_spans(fd: int, offsets: np.ndarray, starts: np.ndarray, rec: int, buf: np.ndarray) -> int:
     """Read spans (see rowio.c: records `read_spans` grouped) into `buf` (a writable uint8 array of
     len(offsets) * rec bytes). Returns 0, or 1 + the index of a span that met the end of the file; raises OSError

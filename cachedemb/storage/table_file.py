@@ -149,7 +149,7 @@ class TableFile:
         self.token = 0
         self.writer_died: WriterRecord | None = None
         self.stats = dict.fromkeys(("rows_read", "rows_written", "bytes_read", "bytes_written", "read_calls",
-                                    "write_calls", "blocks_copied", "commits"), 0)
+                                    "gap_bytes_read", "write_calls", "blocks_copied", "commits"), 0)
         self.closed = False
 
     # ----------------------------------------------------------------- creation and opening
@@ -507,6 +507,7 @@ class TableFile:
             futures.append(_run_here(self._read_part, *mine))
         with self._stats_lock:
             self.stats["read_calls"] += int(spans.size - 1)
+            self.stats["gap_bytes_read"] += rowio.gap_bytes(offsets, spans, self.record)
         ticket.futures, ticket._result = futures, (records, order_t)
         self._pending.append(ticket)
         return ticket
@@ -523,6 +524,7 @@ class TableFile:
         order_t.copy_(torch.from_numpy(order))
         with self._stats_lock:
             self.stats["read_calls"] += int(spans.size - 1)
+            self.stats["gap_bytes_read"] += rowio.gap_bytes(offsets, spans, self.record)
         self._read_part(buf, offsets, spans, records, order_t, sink)
 
     def _read_part(self, buf: np.ndarray, offsets: np.ndarray, spans: np.ndarray, records, order, sink) -> None:
@@ -654,6 +656,7 @@ class TableFile:
                                     "moved (truncated while open?)")
         with self._stats_lock:
             self.stats["read_calls"] += int(spans.size - 1)
+            self.stats["gap_bytes_read"] += rowio.gap_bytes(offsets, spans, self.record)
         return buf
 
     def _copy_block(self, src: int, dst: int) -> None:
