@@ -403,19 +403,19 @@ def test_reads_span_records_a_small_gap_apart(tmp_path):
             offsets = np.cumsum(gaps + rec) - rec
             offsets = offsets[offsets + rec <= size].astype(np.int64)
             want = np.stack([data[o: o + rec] for o in offsets]).reshape(-1)
-            for starts in (rowio.read_spans(offsets, rec),
+            for starts in (rowio.spans(offsets, rec, rowio.READ_GAP),
                            np.flatnonzero(np.diff(offsets, prepend=-1 - rec) != rec).tolist() + [offsets.size],
                            [0, offsets.size]):
                 starts = np.asarray(starts, dtype=np.int64)
                 buf = np.zeros(offsets.size * rec, dtype=np.uint8)
                 assert rowio.pread_spans(fd, offsets, starts, rec, buf) == 0
                 assert np.array_equal(buf, want), trial
-        spans = rowio.read_spans(offsets, rec)
+        spans = rowio.spans(offsets, rec, rowio.READ_GAP)
         assert spans.size - 1 < offsets.size  # records near each other share a call
         between = [int(offsets[j + 1] - offsets[j] - rec) for j in range(offsets.size - 1)]
         assert rowio.gap_bytes(offsets, spans, rec) == sum(g for g in between if g <= rowio.READ_GAP) > 0
         past = np.append(offsets, size - rec // 2).astype(np.int64)  # the last record crosses the end
-        starts = rowio.read_spans(past, rec)
+        starts = rowio.spans(past, rec, rowio.READ_GAP)
         buf = np.zeros(past.size * rec, dtype=np.uint8)
         assert rowio.pread_spans(fd, past, starts, rec, buf) == starts.size - 1
     finally:

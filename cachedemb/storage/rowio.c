@@ -99,7 +99,7 @@ int64_t cemb_pread_spans(int fd, const int64_t *offsets, const int64_t *starts, 
             size_t want = 0;
             while (j < b && k + 2 <= IOVS) {
                 int64_t skip = offsets[j] - end;
-                if (skip < 0 || skip > READ_GAP) break; /* spans not grouped by read_spans: one more call */
+                if (skip < 0 || skip > READ_GAP) break; /* spans not grouped by rowio.spans: one more call */
                 if (skip > 0) {
                     iov[k].iov_base = gap;
                     iov[k++].iov_len = (size_t)skip;

@@ -63,12 +63,13 @@ def _ptr(a: np.ndarray):
     return a.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))
 
 
-def read_spans(offsets: np.ndarray, rec: int) -> np.ndarray:
-    """Starts of the spans (plus the end) of ascending record `offsets` that one read each covers: records at
-    most READ_GAP bytes apart."""
+def spans(offsets: np.ndarray, rec: int, gap: int = 0) -> np.ndarray:
+    """Starts (plus the end) of the spans of ascending record `offsets` that one call each covers: records at most
+    `gap` bytes apart (0, writes: runs of adjacent records; READ_GAP for reads)."""
     if offsets.size == 0:
         return np.zeros(1, dtype=np.int64)
-    breaks = np.flatnonzero(np.diff(offsets) > rec + READ_GAP) + 1
+    step = np.diff(offsets)
+    breaks = np.flatnonzero((step < rec) | (step > rec + gap)) + 1
     return np.concatenate([[0], breaks, [offsets.size]]).astype(np.int64)
 
 
@@ -81,7 +82,7 @@ def gap_bytes(offsets: np.ndarray, starts: np.ndarray, rec: int) -> int:
 
 
 def pread_spans(fd: int, offsets: np.ndarray, starts: np.ndarray, rec: int, buf: np.ndarray) -> int:
-    """Read spans (see rowio.c: records `read_spans` grouped) into `buf` (a writable uint8 array of
+    """Read spans (see rowio.c: records `spans(offsets, rec, READ_GAP)` grouped) into `buf` (a writable uint8 array of
     len(offsets) * rec bytes). Returns 0, or 1 + the index of a span that met the end of the file; raises OSError
     on an I/O error."""
     lib = _load()
