@@ -172,19 +172,16 @@ class HostRowCache:
         miss = np.flatnonzero(rows < 0)
         if miss.size:
             limit = self.num_rows if limit is None else limit
-            short = miss.size - self._free_count(limit, background)
+            short = miss.size - int(np.count_nonzero(self._usable(limit, background)))
             if short > 0:
                 keep = rows[rows >= 0]
                 self._evict(short, keep=np.concatenate([keep, self.resident]) if background else keep)
-                short = miss.size - self._free_count(limit, background)
+                short = miss.size - int(np.count_nonzero(self._usable(limit, background)))
             if short > 0:
                 if not grow:
                     return None
                 self._grow(short)
-            free = self.free_mask[:limit if not grow else None]
-            if background:
-                free = free & ~self.maybe_resident[:free.size]
-            new = np.flatnonzero(free)[: miss.size]
+            new = np.flatnonzero(self._usable(self.num_rows if grow else limit, background))[: miss.size]
             # A free row may still be device-resident: a prefetch window can admit rows read ahead before
             # they were evicted. Its copy goes before the row takes another id (and after the write-back
             # reading the row is packed).
@@ -205,9 +202,10 @@ class HostRowCache:
             self.row_step[rows] = np.maximum(self.row_step[rows], seq)
         return rows
 
-    def _free_count(self, limit: int, background: bool) -> int:
+    def _usable(self, limit: int, background: bool) -> np.ndarray:
+        """Free rows below `limit` a new id may take (on the mapper: none the device cache may hold)."""
         free = self.free_mask[:limit]
-        return int(np.count_nonzero(free & ~self.maybe_resident[:limit] if background else free))
+        return free & ~self.maybe_resident[:limit] if background else free
 
     # ----------------------------------------------------------------- the mapper
     def run_in_background(self, job) -> None:
