@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import time
 import uuid as uuid_lib
+import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ import torch
 from torch import nn
 
 from cachedemb.cache.ahead import AheadBatch, accepts_ahead
+from cachedemb.modules.batch_input import batch_input
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.modules.errors import InvalidIdError, InvalidInputTypeError, NotATensorError
 from cachedemb.modules.factory import register_storage
@@ -48,7 +50,8 @@ from cachedemb.modules.input_check import integer_arg, size_arg
 from cachedemb.modules.meta_init import TableInit, iter_init_range
 from cachedemb.kernels import id_index
 from cachedemb.optim import SparseOptimizer
-from cachedemb.storage.format import TableHeader, TableMismatchError, dtype_name
+from cachedemb.storage.format import (TableHeader, TableIOError, TableMismatchError, UncommittedRowsLostWarning,
+                                      dtype_name)
 from cachedemb.storage.host_cache import BatchDistinct, HostRowCache, distinct, slab_rows
 from cachedemb.storage.log_structure import position_dtype
 from cachedemb.storage.table_file import TableFile, iter_table_rows, open_table
@@ -136,6 +139,10 @@ def state_columns(optimizer: SparseOptimizer | None, dim: int) -> tuple:
 @register_storage  # CachedEmbeddingBag(..., storage=FileStorage(...)) builds this class
 class FileBackedEmbeddingBag(nn.Module):
     """nn.EmbeddingBag over a table kept in a file (see the module docstring)."""
+
+    # prefetch_targets(batch) takes the batch's input by position (modules/batch_input.py): cachedemb.prefetch
+    # refuses a default extraction shared by several such modules.
+    reads_batch_by_position = True
 
     def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,
                  norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean",
@@ -433,13 +440,7 @@ class FileBackedEmbeddingBag(nn.Module):
         """The prefetch stage (cachedemb.prefetch reads batches ahead in training order): a training-mode module
         maps `batch` now (its misses read from the file in the background, its rows held until it is done) and
         returns its slab rows for the device cache's window; else the rows its ids have now."""
-        if isinstance(batch, dict):
-            batch = batch["input"]
-        elif isinstance(batch, (tuple, list)):
-            batch = batch[0]
-        if not torch.is_tensor(batch):
-            raise TypeError(f"cannot find ids in a {type(batch).__name__}: give prefetch(ids=...)")
-        flat = batch.reshape(-1).to(device="cpu", dtype=torch.int64)
+        flat = batch_input(batch).reshape(-1).to(device="cpu", dtype=torch.int64)
         self.host.settle()
         if self.training and torch.is_grad_enabled() and self._maps_in_background():
             self.ahead.append(ReadAheadBatch(flat, self.seq))  # looked at and mapped on the mapper
@@ -489,8 +490,15 @@ class FileBackedEmbeddingBag(nn.Module):
 
     def close(self) -> None:
         """Commit and close the file (also when the module is collected, or at interpreter exit): the next
-        opening continues from here."""
+        opening continues from here. After an I/O error (TableIOError) nothing more is written: the file and its
+        lock are released, with a warning naming the snapshot a reopening with recover=True continues from."""
+        failure = self.table.failure
         self._finalizer()
+        if failure is not None and failure.reported:
+            warnings.warn(f"closed table file {str(self.table.path)!r} without committing after its {failure.operation} "
+                          f"failed ({failure.cause.strerror}): the rows updated since snapshot "
+                          f"{failure.snapshot['seq']} are lost; open it with recover=True to continue from that "
+                          "snapshot", UncommittedRowsLostWarning, stacklevel=2)
 
     def __getstate__(self):
         raise TypeError(f"a file-backed table (file {str(self.table.path)!r}) cannot be copied or pickled: its "
@@ -644,11 +652,23 @@ def _uuid_of(t: torch.Tensor) -> str:
 
 
 def _close_table(inner: CachedEmbeddingBag, host: HostRowCache, table: TableFile) -> None:
-    """Flush the device and host caches into the file, commit, release it (once)."""
+    """Flush the device and host caches into the file, commit, release it (once). The file and its lock are
+    released whatever fails; after an I/O error the table writes nothing more, and an error already raised to
+    the caller is not raised again (at exit it would only be printed)."""
     if table.closed:
         return
-    host.shutdown()
-    inner.flush()
-    host.flush()
-    table.close({"optimizer_step": inner.optimizer_step, "closed": True})
+    try:
+        try:
+            host.shutdown()
+        except TableIOError:
+            if table.failure is None or not table.failure.reported:
+                raise
+        if table.failure is None:
+            inner.flush()
+            host.flush()
+            table.close({"optimizer_step": inner.optimizer_step, "closed": True})
+        elif not table.failure.reported:
+            raise table.failure
+    finally:
+        table.release()
 

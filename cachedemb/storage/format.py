@@ -20,6 +20,8 @@ the one before it stays loadable until the next commit (a checkpoint file writte
 """
 from __future__ import annotations
 
+import errno
+
 import json
 import struct
 import zlib
@@ -65,6 +67,32 @@ class TableWriterDiedError(RuntimeError):
 
 class TableLockedError(RuntimeError):
     """Another live process has the file open for writing."""
+
+
+class TableIOError(OSError):
+    """The operating system refused an I/O call on a table file (a full disk, an I/O error, a file-size limit, a
+    read-only remount). The rows updated since the last commit can no longer be trusted, so the table refuses
+    every later use; the last committed snapshot is intact on disk. `close()` releases the file; reopen it with
+    `recover=True` to continue from that snapshot. errno, strerror and filename are the failed call's."""
+
+    def __init__(self, path, operation: str, cause: OSError, snapshot: dict):
+        self.operation, self.snapshot, self.cause = operation, snapshot, cause
+        step = snapshot.get("optimizer_step")
+        at = f"snapshot {snapshot['seq']}" + (f", optimizer step {step}" if step is not None else "")
+        name = errno.errorcode.get(cause.errno, str(cause.errno))
+        message = (f"table file {str(path)!r}: {operation} failed: {cause.strerror or cause} ({name}). The last "
+                   f"committed snapshot ({at}) is intact on disk; rows updated since it are lost. close() the table, free "
+                   f"the space or fix the disk, and open it again with recover=True (FileStorage(..., "
+                   f"recover=True)) to continue from {at.split(',')[0]}")
+        super().__init__(cause.errno, message, str(path))
+        self.reported = False  # raised on a thread the caller waits on (not only on an I/O thread)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+class UncommittedRowsLostWarning(UserWarning):
+    """A table closed after an I/O error: the rows updated since its last commit were not written."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

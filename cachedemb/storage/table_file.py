@@ -61,6 +61,7 @@ from cachedemb.storage.format import (
     CorruptTableError,
     Superblock,
     TableHeader,
+    TableIOError,
     TableLockedError,
     TableMismatchError,
     TableWriterDiedError,
@@ -86,7 +87,11 @@ class IoTicket:
 
     def wait(self):
         for f in self.futures:
-            f.result()
+            try:
+                f.result()
+            except TableIOError as error:
+                error.reported = True  # it reaches the thread that waits: the caller's
+                raise
         return self._result
 
 
@@ -143,6 +148,28 @@ class TableFile:
         self.stats = dict.fromkeys(("rows_read", "rows_written", "bytes_read", "bytes_written", "read_calls",
                                     "gap_bytes_read", "write_calls", "blocks_copied", "commits"), 0)
         self.closed = False
+        self.failure: TableIOError | None = None  # the first refused I/O call: the live table is lost since
+
+    # ----------------------------------------------------------------- I/O errors
+    @contextlib.contextmanager
+    def _io(self, operation: str):
+        """Run I/O calls of `operation` ("write-back", "cleaning", "read", "commit", "close"): an OSError of
+        theirs becomes the table's TableIOError (the first one is kept; the table refuses every later use)."""
+        try:
+            yield
+        except TableIOError:
+            raise
+        except OSError as error:
+            if error.errno is None:
+                raise
+            if self.failure is None:
+                self.failure = TableIOError(self.path, operation, error, self.describe_snapshot(self.newest_seq))
+            raise self.failure from error
+
+    def _check_usable(self) -> None:
+        if self.failure is not None:
+            self.failure.reported = True
+            raise self.failure
 
     # ----------------------------------------------------------------- creation and opening
     @classmethod
@@ -237,8 +264,10 @@ class TableFile:
                 if not recover:
                     who = f"pid {rec.pid} on {rec.host}, open since {time.ctime(rec.since)}" if rec else \
                         "a writer whose record is torn"
+                    how = "it died" if rec is None or (rec.pid, rec.host) != (os.getpid(), socket.gethostname()) \
+                        else "this process released it after an I/O error"
                     raise TableWriterDiedError(
-                        f"table file {str(path)!r} was not closed by its last writer ({who}): it died, and rows "
+                        f"table file {str(path)!r} was not closed by its last writer ({who}): {how}, and rows "
                         f"it wrote after its last commit are lost. The last committed snapshot is intact: "
                         f"snapshot {newest} ({info}). Open with recover=True (FileStorage(..., recover=True) or "
                         "open_table(..., recover=True)) to continue from it.", info)
@@ -403,8 +432,13 @@ class TableFile:
         """Make the live table a durable snapshot (see the module docstring); returns its seq."""
         self._check_writable()
         self.drain()
-        os.fdatasync(self.fd)
-        return self._commit_map(meta)
+        try:
+            with self._io("commit"):
+                os.fdatasync(self.fd)
+                return self._commit_map(meta)
+        except TableIOError as error:
+            error.reported = True
+            raise
 
     def _commit_map(self, meta: dict) -> int:
         seq = max(self.snapshots, default=0) + 1
@@ -471,6 +505,7 @@ class TableFile:
         file order, order) with records[i] the row ids[order[i]]. `sink(records[a:b], order[a:b])`, when given,
         runs on the worker thread as each part lands. `here`: the caller waits for the rows at once, so its
         thread reads a share too instead of idling. Parts: see the module docstring."""
+        self._check_usable()  # after a failed write the live table is lost: no row of it is served
         ids = np.asarray(ids, dtype=np.int64)
         ticket = IoTicket(None)
         if self.log is not None:  # registered before its offsets are taken: their blocks stay until it lands
@@ -515,25 +550,27 @@ class TableFile:
         return offsets, order, rowio.spans(offsets, self.record, rowio.READ_GAP)
 
     def _read_whole(self, ids: np.ndarray, buf: np.ndarray, records, order_t, sink) -> None:
-        offsets, order, spans = self._sorted_spans(ids)
-        order_t.copy_(torch.from_numpy(order))
-        self._count_reads(offsets, spans)
-        self._read_part(buf, offsets, spans, records, order_t, sink)
+        with self._io("read"):
+            offsets, order, spans = self._sorted_spans(ids)
+            order_t.copy_(torch.from_numpy(order))
+            self._count_reads(offsets, spans)
+            self._read_part(buf, offsets, spans, records, order_t, sink)
 
     def _read_part(self, buf: np.ndarray, offsets: np.ndarray, spans: np.ndarray, records, order, sink) -> None:
-        before = _blocks_read()
-        short = rowio.pread_spans(self.fd, offsets, spans, self.record, buf)
-        n = int(spans[-1] - spans[0])
-        if before is not None and n:  # a racy update from several readers only mixes in one sample or another
-            share = min(1.0, (_blocks_read() - before) * _BLOCK_IN / PAGE / n)
-            self.disk_share = share if self.disk_share is None else 0.75 * self.disk_share + 0.25 * share
-        if short:
-            at = int(offsets[spans[short - 1]])
-            raise CorruptTableError(f"table file {str(self.path)!r}: the file ends inside the record at offset "
-                                    f"{at} (truncated while open?)")
-        if sink is not None:
-            a, b = int(spans[0]), int(spans[-1])
-            sink(records[a:b], order[a:b])
+        with self._io("read"):
+            before = _blocks_read()
+            short = rowio.pread_spans(self.fd, offsets, spans, self.record, buf)
+            n = int(spans[-1] - spans[0])
+            if before is not None and n:  # a racy update from several readers only mixes in one sample or another
+                share = min(1.0, (_blocks_read() - before) * _BLOCK_IN / PAGE / n)
+                self.disk_share = share if self.disk_share is None else 0.75 * self.disk_share + 0.25 * share
+            if short:
+                at = int(offsets[spans[short - 1]])
+                raise CorruptTableError(f"table file {str(self.path)!r}: the file ends inside the record at offset "
+                                        f"{at} (truncated while open?)")
+            if sink is not None:
+                a, b = int(spans[0]), int(spans[-1])
+                sink(records[a:b], order[a:b])
 
     def write(self, ids: np.ndarray, records: torch.Tensor | DeferredRecords) -> IoTicket:
         """Write records [k, record] of rows `ids` (distinct, ascending) on the writer thread, after earlier
@@ -563,16 +600,24 @@ class TableFile:
     def _write_task(self, ids: np.ndarray, records: torch.Tensor, sel: torch.Tensor | None, writer: int) -> None:
         """Write rows `ids` (records[sel], or all of `records`): chunks this writer owns. In log mode they are
         appended at the writer's head, then some dead records cleaned."""
+        self._check_usable()  # an earlier write failed: the live table is lost, nothing is written on top
         if isinstance(records, DeferredRecords):
             records = records.get()
         if sel is not None:
             records = records.index_select(0, sel)
         if self.log is not None:
-            self.log.append(writer, ids, records.numpy())
-            self.log.clean(writer, ids.size)
+            with self._io("write-back"):
+                self.log.append(writer, ids, records.numpy())
+            with self._io("cleaning"):
+                self.log.clean(writer, ids.size)
             with self._stats_lock:
                 self.stats["write_calls"] += -(-ids.size // self.rpb)
             return
+        with self._io("write-back"):
+            self._write_in_place(ids, records)
+
+    def _write_in_place(self, ids: np.ndarray, records: torch.Tensor) -> None:
+        """`_write_task` in place: chunks a retained snapshot names copied first, then the records written."""
         chunks = np.unique(ids // self.rpb)
         shared = np.zeros(chunks.size, dtype=bool)
         live = self.live[chunks]
@@ -688,22 +733,32 @@ class TableFile:
             raise ValueError(f"table file {str(self.path)!r} is closed")
         if not self.writable:
             raise ValueError(f"table file {str(self.path)!r} is open read-only")
+        self._check_usable()
 
     def close(self, meta: dict | None = None) -> None:
-        """Commit (when `meta` is given), mark the file closed by its writer, release it."""
+        """Commit (when `meta` is given), mark the file closed by its writer, release it. The file and its lock
+        are released even when that fails (or failed before: then nothing is written, and the next opening
+        needs recover=True)."""
         if self.closed:
             return
         try:
-            if self.writable:
+            if self.writable and self.failure is None:
                 if meta is not None:
                     self.commit(meta)
                 self.drain()
-                self._write_writer_record(False)
-                os.fsync(self.fd)
+                with self._io("close"):
+                    self._write_writer_record(False)
+                    os.fsync(self.fd)
         finally:
-            self._shutdown()
-            os.close(self.fd)
-            self.closed = True
+            self.release()
+
+    def release(self) -> None:
+        """Let go of the file and its lock without writing anything (I/O threads stopped first)."""
+        if self.closed:
+            return
+        self._shutdown()
+        os.close(self.fd)
+        self.closed = True
 
     def _shutdown(self) -> None:
         self._readers.shutdown(wait=True)
