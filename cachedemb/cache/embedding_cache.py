@@ -192,6 +192,10 @@ class EmbeddingCache:
         # transfer is in flight waits for it, since the rows it serves from the host may be in transit.
         self.window_forwards_left = 0
         self.ahead: AheadBatch | None = None  # the pipeline's hand-off for the next forward (cache/ahead.py)
+        # Lookups of announced forwards that the pipeline had not read ahead (misses inside an admitted window, a
+        # hand-off whose ids differed): nonzero means a forward's ids are not those prefetched for it. Summed on
+        # the device; the pipeline reads it without a sync and warns.
+        self.unread_ahead = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._windows: list[torch.Tensor] = []  # slots (loc_u) of the prefetch windows protected now
         self._window_active = False  # an admitted window is protected (activate_window .. the next drop)
         self.table_starts = self.table_ranks = None  # set_tables(): per-table ranks for the policies
@@ -371,7 +375,10 @@ class EmbeddingCache:
             if self.device.type != "cuda":
                 self.settle()  # a miss served from the host must not race a host thread's write-back
             return self._prepare_device(ids, padding_idx, train, start, admit=not in_window)
+        offered = ahead
         ahead = take_ahead(ahead, ids, padding_idx, self.slot_ids)
+        if ahead is None and offered is not None and offered.ids.shape == ids.shape and padding_idx is None:
+            self.unread_ahead += 1  # the same number of lookups as read ahead, other ids (take_ahead compared them)
         uniq, inverse, counts, n_uniq, groups = (ahead[0] if ahead else
                                                  kernels.unique_ids(ids, padding_idx, return_groups=True,
                                                                     id_bound=self.num_rows))
@@ -384,6 +391,8 @@ class EmbeddingCache:
         else:
             self.settle()  # misses may read host rows that a window transfer in flight writes back
             loc_u, live, n_hit, n_miss, _ = self._place(uniq, n_uniq, self.policy)
+            if in_window:
+                self.unread_ahead += n_miss.reshape(1)
         c = place_native.native()
         lookups = None if c is None else place_native.count_uses(
             c, loc_u, live, counts, inverse, self.dump, self.batch_counter, self.slot_freq, self.slot_last_use,
@@ -414,10 +423,12 @@ class EmbeddingCache:
         self.slot_epoch += 1
         sizes, bufs = device_place.batch(self, self.policy, ids.numel(), with_unique=True, admit=admit)
         uniq, inverse, counts, n_uniq, groups = device_place.unique(self, ids, padding_idx, bufs)
-        loc_u, _, _, move = device_place.place_batch(self, uniq, n_uniq, self.policy, bufs, sizes, counts=counts,
-                                                     train=train, count_lookups=True, admit=admit)
+        loc_u, _, n_miss, move = device_place.place_batch(self, uniq, n_uniq, self.policy, bufs, sizes,
+                                                          counts=counts, train=train, count_lookups=True, admit=admit)
         if admit:
             self._move_rows(RowMove(*move), add=bufs.add if train else None)
+        else:  # inside an admitted window every id was read ahead: a miss means the forward's ids differ
+            self.unread_ahead.add_(n_miss)
         plan = BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation, groups, bufs.bag)
         return self._finish_prepare(plan, train, start)
 
@@ -1140,7 +1151,7 @@ class EmbeddingCache:
         self.device = device
         self._set_rows(self.rows.data.to(device))
         for name in ("slot_ids", "slot_freq", "slot_last_use", "dirty", "next_use", "protected", "hit_mark",
-                     "_n_protected", "index_keys", "index_slots", "index_used", "stats", "history"):
+                     "_n_protected", "index_keys", "index_slots", "index_used", "stats", "history", "unread_ahead"):
             setattr(self, name, getattr(self, name).to(device))
         for name in ("table_starts", "table_ranks"):
             if getattr(self, name, None) is not None:

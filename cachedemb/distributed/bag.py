@@ -36,6 +36,7 @@ from torch import nn
 from cachedemb.distributed.exchange import AllToAllRows, LocalSliceOfReplicated, all_to_all, exchange_counts
 from cachedemb.distributed.files import rank_table
 from cachedemb.distributed.plan import ShardingType, TableSharding
+from cachedemb.modules.batch_input import batch_input_args
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.cache.embedding_cache import pinned_empty
 from cachedemb.modules.input_check import normalize_bag_input
@@ -112,21 +113,6 @@ def default_cache_device(group=None) -> torch.device:
     return rank_cuda_device() if torch.cuda.is_available() and exchanges_cuda(group) else torch.device("cpu")
 
 
-def prefetch_args(batch) -> tuple:
-    """(input, offsets, per_sample_weights) of a batch given to `prefetch_targets`: an input tensor, an
-    (input, offsets[, weights]) tuple, or a dict with "input" (and "offsets", "per_sample_weights")."""
-    if isinstance(batch, dict):
-        args = (batch["input"], batch.get("offsets"), batch.get("per_sample_weights"))
-    elif isinstance(batch, (tuple, list)):
-        args = tuple(batch[:3]) + (None,) * (3 - len(batch[:3]))
-    else:
-        args = (batch, None, None)
-    if not torch.is_tensor(args[0]):
-        raise TypeError(f"cannot find ids in a {type(args[0]).__name__}: expected an id tensor, an "
-                        "(input, offsets[, per_sample_weights]) tuple or a dict with 'input'")
-    return args
-
-
 @dataclass
 class ExchangedInput:
     """One local batch after the input all-to-all: what the owner looks up (`local_ids`, `local_offsets`
@@ -149,6 +135,10 @@ class ExchangedInput:
 class ShardedEmbeddingBag(nn.Module):
     """The sharded equivalent of a CachedEmbeddingBag: same forward signature and outputs; this rank keeps
     rows `sharding.ranges[rank]` in `self.shard` (None when it keeps none)."""
+
+    # prefetch_targets(batch) takes the batch's input by position (modules/batch_input.py): cachedemb.prefetch
+    # refuses a default extraction shared by several such modules.
+    reads_batch_by_position = True
 
     def __init__(self, module: CachedEmbeddingBag, sharding: TableSharding, group=None, device=None):
         super().__init__()
@@ -271,7 +261,7 @@ class ShardedEmbeddingBag(nn.Module):
         torchrec's sparse-dist pipeline does) and return (shard cache, the ids this rank owns for it); the
         batch's forward then uses the exchanged input. `batch`: input tensor, (input, offsets[, weights])
         tuple, or dict with "input" (and "offsets", "per_sample_weights")."""
-        return self.prefetch_exchange(*prefetch_args(batch))
+        return self.prefetch_exchange(*batch_input_args(batch))
 
     def prefetch_exchange(self, input, offsets=None, per_sample_weights=None) -> list:
         """Exchange one batch ahead and queue it for the forward `on_prefetch_yield` arms."""

@@ -45,10 +45,10 @@ from torch import nn
 
 from cachedemb.collection.embedding_bag_collection import CachedEmbeddingBagCollection
 from cachedemb.distributed.exchange import AllToAllRows, all_to_all, exchange_counts
-from cachedemb.distributed.bag import (ExchangedInput, ShardedEmbeddingBag, lookups_with_bags,
-                                       prefetch_args, rank_cuda_device)
+from cachedemb.distributed.bag import ExchangedInput, ShardedEmbeddingBag, lookups_with_bags, rank_cuda_device
 from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag
 from cachedemb.dynamic.index import _i64, _lsr, mix64
+from cachedemb.modules.batch_input import batch_input_args
 from cachedemb.modules.input_check import normalize_bag_input
 
 _OWNER_KEY = _i64(0xD6E8FEB86659FD93)
@@ -100,6 +100,10 @@ class ShardedDynamicEmbeddingBag(nn.Module):
     """The sharded equivalent of a DynamicEmbeddingBag: same forward signature and outputs; this rank keeps
     the ids `owner_rank(id, W) == rank` in `self.shard` (a DynamicEmbeddingBag, not a child module: the
     state_dict is keyed by id, as the unsharded module's)."""
+
+    # prefetch_targets(batch) takes the batch's input by position (modules/batch_input.py): cachedemb.prefetch
+    # refuses a default extraction shared by several such modules.
+    reads_batch_by_position = True
 
     data_parallel = False
     # The owner-side lookup, the return all-to-all and the per-bag combine are the row-wise path's.
@@ -197,7 +201,7 @@ class ShardedDynamicEmbeddingBag(nn.Module):
         mode the exchange is queued for the batch's training forward; in eval mode it only announces rows (an
         eval forward exchanges its batch itself). `batch`: input tensor, (input, offsets[, weights]) tuple, or
         dict with "input" (and "offsets", "per_sample_weights")."""
-        args = prefetch_args(batch)
+        args = batch_input_args(batch)
         exchanged = self.input_dist(*args)
         if self.training and torch.is_grad_enabled():
             # Tagged with the loop that reads it: None while a loop fills its horizon (it owns the cache from

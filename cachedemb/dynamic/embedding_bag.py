@@ -46,6 +46,7 @@ from torch import nn
 from cachedemb.cache.embedding_cache import EmbeddingCache
 from cachedemb.dynamic.index import _GOLDEN, _MIX1, _MIX2, IdIndex, _i64, mix64
 from cachedemb.dynamic.keyed import KeyedEmbeddingBag
+from cachedemb.modules.batch_input import batch_input
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.modules.factory import register_dynamic
 from cachedemb.optim import SparseOptimizer
@@ -160,6 +161,10 @@ class DynamicEmbeddingBag(nn.Module):
         ...                           optimizer=cachedemb.optim.SGD(lr=0.1))
         >>> out = emb(torch.tensor([2**40, -7, 2**40]), torch.tensor([0, 2]))   # 2 bags, 2 new ids admitted
     """
+
+    # prefetch_targets(batch) takes the batch's input by position (modules/batch_input.py): cachedemb.prefetch
+    # refuses a default extraction shared by several such modules.
+    reads_batch_by_position = True
 
     def __init__(self, num_embeddings: None, embedding_dim: int, max_norm: float | None = None,
                  norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean",
@@ -453,13 +458,7 @@ class DynamicEmbeddingBag(nn.Module):
         """The prefetch stage (cachedemb.prefetch reads batches ahead in training order): a training-mode module
         remaps `batch` now and queues its rows for its forward; returns its slab rows for the cache window.
         When spare rows run short (or in eval mode) it returns the rows its ids have now and the forward remaps."""
-        if isinstance(batch, dict):
-            batch = batch["input"]
-        elif isinstance(batch, (tuple, list)):
-            batch = batch[0]
-        if not torch.is_tensor(batch):
-            raise TypeError(f"cannot find ids in a {type(batch).__name__}: give prefetch(ids=...)")
-        flat = batch.reshape(-1).to(device="cpu", dtype=torch.int64)
+        flat = batch_input(batch).reshape(-1).to(device="cpu", dtype=torch.int64)
         rows = None
         if self.training and torch.is_grad_enabled():
             if all(queued is not None for _, queued, _ in self.ahead):

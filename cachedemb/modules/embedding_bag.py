@@ -11,6 +11,7 @@ from torch import nn
 from cachedemb.cache.exact_device import exact_device
 from cachedemb import kernels
 from cachedemb.cache.embedding_cache import BatchPlan, EmbeddingCache, pinned_empty, state_dtype
+from cachedemb.modules.batch_input import batch_input
 from cachedemb.modules.factory import build_dynamic, build_storage
 from cachedemb.modules.errors import (
     InvalidPaddingIdxError,
@@ -169,6 +170,10 @@ class CachedEmbeddingBag(nn.Module):
         >>> emb(input, offsets).shape                          # 2 bags, 4 distinct rows each > 2 cached rows
         torch.Size([2, 3])
     """
+
+    # prefetch_targets(batch) takes the batch's input by position (modules/batch_input.py): cachedemb.prefetch
+    # refuses a default extraction shared by several such modules.
+    reads_batch_by_position = True
 
     def __new__(cls, *args, dynamic=None, storage=None, **kwargs):
         # CachedEmbeddingBag(None, dim, ..., dynamic=DynamicIds(...)) builds the raw-id module cachedemb.dynamic
@@ -544,13 +549,7 @@ class CachedEmbeddingBag(nn.Module):
         """The ids this module will look up for `batch`: a tensor of ids, an (input, offsets, ...) tuple, or a
         dict with "input". Used by cachedemb.prefetch."""
         self.adopt_rebound_table()
-        if isinstance(batch, dict):
-            batch = batch["input"]
-        elif isinstance(batch, (tuple, list)):
-            batch = batch[0]
-        if not torch.is_tensor(batch):
-            raise TypeError(f"cannot find ids in a {type(batch).__name__}: give prefetch(ids=...)")
-        ids = batch.reshape(-1)
+        ids = batch_input(batch).reshape(-1)
         if ids.device.type == "cpu" and ids.numel() and self.padding_idx is None and ids.dtype in (torch.int64,
                                                                                                    torch.int32):
             lo, hi = torch.aminmax(ids)  # one pass; a masked copy costs ~10x that, and the ids are usually valid

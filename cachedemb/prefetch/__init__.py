@@ -94,7 +94,8 @@ depth and union).
 May import: cachedemb.cache, cachedemb.kernels (the torch reference of unique_ids) and torch; nothing imports it but
 the facade and cachedemb.distributed.
 """
+from cachedemb.prefetch.ids_check import PrefetchIdsWarning
 from cachedemb.prefetch.next_use import NextUseTracker
 from cachedemb.prefetch.pipeline import Prefetcher, prefetch
 
-__all__ = ["NextUseTracker", "Prefetcher", "prefetch"]
+__all__ = ["NextUseTracker", "PrefetchIdsWarning", "Prefetcher", "prefetch"]

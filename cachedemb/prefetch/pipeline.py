@@ -17,6 +17,7 @@ from cachedemb.cache.embedding_cache import BackgroundPlan, EmbeddingCache, Slot
 from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.policy import Policy, resolve
 from cachedemb.prefetch.device_read_ahead import DeviceReadAhead
+from cachedemb.prefetch.ids_check import IdsMismatchCheck
 from cachedemb.prefetch.read_ahead import ReadAhead, ReadAheadBase, Worker
 from cachedemb.prefetch.windows import WindowInfo
 
@@ -41,12 +42,46 @@ def read_ahead_on_device(caches: list[EmbeddingCache]) -> bool:
     return bool(caches) and all(c.device.type == "cuda" for c in caches)
 
 
+def describe_module(modules: Sequence, i: int) -> str:
+    """`modules[i] (CachedEmbeddingBag(1000, 16, mode='sum'))`: how an error or warning names a module."""
+    text = " ".join(repr(modules[i]).split())
+    return f"modules[{i}] ({text if len(text) <= 120 else text[:117] + '...'})"
+
+
+def check_prefetchable(modules: Sequence) -> None:
+    """Refuse, before anything is read, a module whose ids the pipeline cannot read (no `prefetch_targets`: a
+    plain nn.EmbeddingBag, say), naming it."""
+    for i, module in enumerate(modules):
+        if not callable(getattr(module, "prefetch_targets", None)):
+            raise TypeError(f"cachedemb.prefetch cannot prefetch {describe_module(modules, i)}: it has no cache "
+                            "(expected a cachedemb CachedEmbeddingBag, CachedEmbeddingBagCollection or a model "
+                            "shard() returned); leave it out of the modules list")
+
+
+def refuse_ambiguous_default(modules: Sequence, batch) -> None:
+    """Several single-table modules would all read the same input of `batch` (its first element, its "input"),
+    so each would prefetch another's ids: refused with the `ids=` to pass instead."""
+    positional = [i for i, m in enumerate(modules) if getattr(m, "reads_batch_by_position", False)]
+    if len(positional) < 2:
+        return
+    if isinstance(batch, (tuple, list)):
+        shape = f"a {type(batch).__name__} of {len(batch)}"
+        example = "ids=lambda batch: [" + ", ".join(f"batch[{k}]" for k in range(len(positional))) + "]"
+    elif isinstance(batch, dict):
+        shape = f"a dict with keys {sorted(map(str, batch))}"
+        example = "ids=lambda batch: [" + ", ".join(f"batch['ids_{k}']" for k in range(len(positional))) + "]"
+    else:
+        shape = f"a {type(batch).__name__}"
+        example = "ids=lambda batch: [ids_for_module_0, ids_for_module_1, ...]"
+    names = ", ".join(describe_module(modules, i) for i in positional)
+    raise ValueError(f"cachedemb.prefetch cannot tell which ids of the batch ({shape}) feed which of {names}: "
+                     f"each would read the batch's first input. Pass one id tensor per module, in the order of "
+                     f"modules, e.g. {example}")
+
+
 def default_ids(module, batch) -> list[tuple[EmbeddingCache, torch.Tensor]]:
-    """(cache, ids in that cache's row space) for a module; modules may define `prefetch_targets(batch)`."""
-    if hasattr(module, "prefetch_targets"):
-        return list(module.prefetch_targets(batch))
-    raise TypeError(f"cannot read ids for {type(module).__name__} from a {type(batch).__name__} batch: pass "
-                    "ids=lambda batch: [ids_for_module_0, ...] to prefetch()")
+    """(cache, ids in that cache's row space) of a module for a batch: `module.prefetch_targets(batch)`."""
+    return list(module.prefetch_targets(batch))
 
 
 class WindowCopier:
@@ -93,6 +128,9 @@ class Prefetcher:
                              f"got {horizon!r}")
         if not modules:
             raise ValueError("modules must name at least one CachedEmbeddingBag(-Collection) to prefetch for")
+        check_prefetchable(modules)
+        if ids is not None and not callable(ids):
+            raise TypeError(f"ids must be a function batch -> [one id tensor per module], got {type(ids).__name__}")
         self.source = iter(batches)
         self.modules = list(modules)
         self.depth, self.horizon = depth, horizon
@@ -122,22 +160,28 @@ class Prefetcher:
         self.streams: dict = {}
         self.copier: WindowCopier | None = None  # the host thread moving a CPU window's rows during compute
         self.refused = False
+        self.handoff: list[bool] = []  # per cache: whether it takes the forward hand-off
+        self.cache_module: list[int] = []  # per cache: the index in `modules` whose ids it is read with
+        self.unread = None  # IdsMismatchCheck, once the caches are known
 
     # ----------------------------------------------------------------- reading
     def _targets(self, batch) -> list[tuple[EmbeddingCache, torch.Tensor]]:
+        """(cache, ids) of every module for `batch`, in module order; notes which module each cache serves."""
         if self.ids_fn is None:
-            return [t for m in self.modules for t in default_ids(m, batch)]
-        ids = list(self.ids_fn(batch))
-        if len(ids) != len(self.modules):
-            raise ValueError(f"ids(batch) returned {len(ids)} tensors for {len(self.modules)} modules")
-        targets = []
-        for module, module_ids in zip(self.modules, ids):
-            cache = getattr(module, "cache", None)
-            if not isinstance(cache, EmbeddingCache):
-                raise ValueError(f"ids= gives one tensor per module, but {type(module).__name__} is not a single "
-                                 "CachedEmbeddingBag; let it read its own ids (omit ids=)")
-            targets.append((cache, module_ids))
-        return targets
+            if self.caches is None:
+                refuse_ambiguous_default(self.modules, batch)
+            per_module = [default_ids(m, batch) for m in self.modules]
+        else:
+            ids = list(self.ids_fn(batch))
+            if len(ids) != len(self.modules):
+                raise ValueError(f"ids(batch) returned {len(ids)} entries for {len(self.modules)} modules: give "
+                                 "one per module, in the order of modules")
+            # Each module reads its own entry as it would a batch of its own (an id tensor, (ids, offsets), a
+            # KeyedJaggedTensor or dict for a collection): ids in its own id space, mapped to its caches' rows.
+            per_module = [default_ids(m, module_ids) for m, module_ids in zip(self.modules, ids)]
+        if self.caches is None:
+            self.cache_module = [i for i, targets in enumerate(per_module) for _ in targets]
+        return [t for targets in per_module for t in targets]
 
     def _start_worker(self, caches: list[EmbeddingCache]) -> None:
         self.caches = caches
@@ -208,6 +252,7 @@ class Prefetcher:
     def _start_window(self, start: int) -> None:
         """At a window boundary: switch to the window planned one window ago (its rows were moved meanwhile),
         or admit this window now; then, overlapping, plan and start moving the next one."""
+        self.unread.at_window()
         with self.lock:  # next uses of windows already planned
             for stale in [k for k in self.next_uses if k < start]:
                 del self.next_uses[stale]
@@ -400,6 +445,9 @@ class Prefetcher:
         try:
             self._fill()
             self._claim()
+            if self.caches is not None:
+                self.unread = IdsMismatchCheck(self.modules, self.caches, self.cache_module, describe_module,
+                                               ids_given=self.ids_fn is not None)
             for offset in range(UNIQUE_LEAD):
                 self._request_unique(offset)
             while self.buffer:
@@ -417,6 +465,7 @@ class Prefetcher:
                 self._notify("on_prefetch_yield")
                 yield batch
                 # The consumer asked for the next batch: this one's forward and backward are done.
+                self.unread.after_batch()
                 self.buffer.popleft()
                 self.uniques.pop(number, None)
                 self._read_one()
@@ -450,6 +499,8 @@ class Prefetcher:
                 cache.prefetch_owner = None
             self.pending = None
             read_ahead_failed = self.worker.worker.failed if self.worker is not None else None
+            if not self.refused and self.unread is not None and failure is None and sys.exc_info()[0] in (None, GeneratorExit):
+                self.unread.at_end()
             if not self.refused:
                 self._notify("on_prefetch_end")  # also when a background plan failed: modules drop what they queued
             if failure is not None and failure is not read_ahead_failed and not isinstance(failure, CancelledError):
