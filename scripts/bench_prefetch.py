@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 import cachedemb
+from cachedemb.sizing.simulators import simulate_opt
 from cachedemb.tools.traces import zipf_trace
 
 
@@ -70,6 +71,29 @@ def summary(emb, wall: list[float], thread: list[float]) -> dict:
     }
 
 
+def rows_moved(emb) -> int:
+    """Rows moved host->device plus rows served from the host, since the last stats reset."""
+    stats = emb.cache_stats()
+    return stats["rows_in"] + stats["host_rows"]
+
+
+def opt_ratios(batches: list[torch.Tensor], capacity: int, window_batches: list[int], moved: dict) -> dict:
+    """Rows moved / batch-granular Belady-OPT (cachedemb.sizing.simulators.simulate_opt): the plain module against
+    OPT per batch, the prefetched one against OPT over the windows the pipeline admitted (0: one batch)."""
+    windows, start = [], 0
+    for count in window_batches:
+        k = max(count, 1)
+        if start >= len(batches):
+            break
+        windows.append(torch.cat(batches[start:start + k]).numpy())
+        start += k
+    opt_batches = simulate_opt([b.numpy() for b in batches], capacity).rows_moved
+    opt_windows = simulate_opt(windows, capacity).rows_moved
+    return {"none": round(moved["none"] / max(1, opt_batches), 4),
+            "prefetch": round(moved["prefetch"] / max(1, opt_windows), 4),
+            "opt_rows_per_batch": opt_batches, "opt_rows_per_window": opt_windows}
+
+
 def paired_ratio_median(prefetch: list[float], none: list[float], group: int) -> float:
     sums = [(sum(prefetch[i:i + group]), sum(none[i:i + group])) for i in range(0, len(none) - group + 1, group)]
     return round(statistics.median(p / n for p, n in sums), 3)
@@ -98,8 +122,10 @@ def run_pair(trace: list[torch.Tensor], args, ratio: float, depth: int, horizon:
             times[mode][0].append(time.perf_counter() - t0)
             times[mode][1].append(time.thread_time() - c0)
 
+    before_reset = {}
     for i in range(args.warmup + args.batches):
         if i == args.warmup:
+            before_reset = {mode: rows_moved(m) for mode, m in (("none", plain), ("prefetch", ahead))}
             plain.cache.reset_stats()
             ahead.cache.reset_stats()
             process_start = time.process_time()
@@ -122,6 +148,11 @@ def run_pair(trace: list[torch.Tensor], args, ratio: float, depth: int, horizon:
         # both modules' steps plus the read-ahead thread, per pair of steps
         "pair_process_cpu_ms": round(1000 * process_cpu / len(times["none"][0]), 2),
         "rows_moved_over_none": round(pref["rows_moved"] / max(1, none["rows_moved"]), 3),
+        # every row moved host->device (or served from the host) since the modules were built, over batch-granular
+        # Belady-OPT at the same cache rows: per batch for the plain module, over the pipeline's windows for prefetch
+        "rows_moved_over_opt": opt_ratios(trace[:args.warmup + args.batches], ahead.cache.capacity, counts,
+                                          {mode: before_reset.get(mode, 0) + rows_moved(m)
+                                           for mode, m in (("none", plain), ("prefetch", ahead))}),
         "tables_equal": bool(torch.equal(plain.weight.detach(), ahead.weight.detach())),
     }
     del plain, ahead, pipe, it
@@ -189,7 +220,8 @@ def main(argv=None):
                 record = run_pair(trace, args, ratio, depth, horizon)
                 results.append(record)
                 print(json.dumps({k: record[k] for k in ("cache_ratio", "depth", "horizon", "prefetch_over_none",
-                                                         "paired_ratio_median", "tables_equal")}), flush=True)
+                                                         "paired_ratio_median", "rows_moved_over_opt",
+                                                         "tables_equal")}), flush=True)
     report = {
         "benchmark": "prefetch_step_cpu",
         "command": "python " + " ".join([os.path.relpath(__file__)] + list(argv if argv is not None else sys.argv[1:])),

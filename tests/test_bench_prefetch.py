@@ -38,6 +38,10 @@ def test_pairs_every_configuration_and_the_tables_agree(tmp_path, capsys):
         assert "prepare" in r["none"]["stage_ms_per_batch"]
         assert any(k.startswith("prefetch_") for k in r["prefetch"]["stage_ms_per_batch"])
         assert sum(r["prefetch"]["window_batches"].values()) >= 1
+        # rows moved over Belady-OPT (per batch, or over the pipeline's windows): no policy moves fewer
+        opt = r["rows_moved_over_opt"]
+        assert opt["opt_rows_per_batch"] > 0 and opt["opt_rows_per_window"] > 0
+        assert opt["none"] >= 1.0 and opt["prefetch"] >= 1.0, opt
     large = [r for r in runs if r["cache_ratio"] == 0.2 and r["depth"] == 2][0]
     assert large["prefetch"]["windows"] > 0  # 600 rows hold windows of these batches
     # a second run reads the same batches from the trace cache
