@@ -125,6 +125,8 @@ def run_pair(trace: list[torch.Tensor], args, ratio: float, depth: int, horizon:
     before_reset = {}
     for i in range(args.warmup + args.batches):
         if i == args.warmup:
+            for m in (plain, ahead):
+                m.cache.settle()  # a window planned in the background counts before the reset (reset_stats)
             before_reset = {mode: rows_moved(m) for mode, m in (("none", plain), ("prefetch", ahead))}
             plain.cache.reset_stats()
             ahead.cache.reset_stats()
