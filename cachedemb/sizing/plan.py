@@ -261,10 +261,11 @@ class SizingPlan:
 
         return format_table(self)
 
-    def plot(self, path: str | Path) -> Path:
+    def plot(self, path: str | Path, curve=None) -> Path:
+        """The PNG (`report.plot`); ``curve``: the `BudgetCurve` this plan was chosen from, drawn first."""
         from cachedemb.sizing.report import plot
 
-        return plot(self, path)
+        return plot(self, path, curve)
 
 
 # ------------------------------------------------------------------------------------------ inputs
