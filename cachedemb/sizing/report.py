@@ -169,8 +169,8 @@ def _other_panel(ax, small, plan) -> None:
         ax.plot([max(t.cache_rows, 1)], [t.miss_ratio], "o", color="C3", ms=3)
     budget = sum(t.device_bytes for t in small) / max(plan.budget_bytes, 1)
     moved = sum(t.pcie_bytes_per_step for t in small) / max(sum(t.pcie_bytes_per_step for t in plan.tables), 1e-12)
-    kind = "small tables" if all(_is_small(t, plan) for t in small) else "more tables"
-    ax.set_title(f"other: {len(small)} {kind}\n{budget:.1%} of the budget, {moved:.1%} of the bytes moved",
+    kind = "small" if all(_is_small(t, plan) for t in small) else "more"
+    ax.set_title(f"other: {len(small)} {kind} table{'s' if len(small) > 1 else ''}\n{budget:.1%} of the budget, {moved:.1%} of the bytes moved",
                  fontsize=8.5)
 
 
