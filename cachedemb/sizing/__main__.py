@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=POLICIES, default="lfu",
                    help="the policy the module runs: lfu, lookahead (under cachedemb.prefetch), lru, opt (Belady, "
                         "the floor)")
-    p.add_argument("--depth", type=int, default=4, metavar="N", help="lookahead: batches admitted at once (prefetch depth)")
+    p.add_argument("--depth", type=int, default=4,
+                   metavar="N", help="lookahead: batches admitted at once (prefetch depth)")
     p.add_argument("--horizon", type=int, default=64, metavar="N", help="lookahead: batches of ids seen ahead")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="lookahead: the next window is admitted during the current one (cachedemb.prefetch's "
@@ -90,20 +91,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", default="lfu,lru,lookahead,opt", metavar="POLICIES",
                    help="policies whose curves are also drawn and written (comma-separated; '' for none)")
     p.add_argument("--limit-batches", type=int, default=None, metavar="N", help="size from the first N batches")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="recipe directory: the recipe's --seed (its batch order)")
-    p.add_argument("--epoch", type=int, default=0, metavar="N", help="recipe directory: the epoch whose batch order to use")
+    p.add_argument("--seed", type=int, default=0,
+                   metavar="N", help="recipe directory: the recipe's --seed (its batch order)")
+    p.add_argument("--epoch", type=int, default=0,
+                   metavar="N", help="recipe directory: the epoch whose batch order to use")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="rowwise_adagrad",
                    help="the fused optimizer: its state moves with each row")
     p.add_argument("--no-warm-start", action="store_true",
                    help="recipe directory: the module gets no id_freq (the recipe passes the train counts: LFU "
                         "seeded, the hottest rows preloaded); raw ids never have one")
-    p.add_argument("--warmup-ratio", type=float, default=0.7, metavar="R", help="warm start: share of each cache preloaded")
+    p.add_argument("--warmup-ratio", type=float, default=0.7,
+                   metavar="R", help="warm start: share of each cache preloaded")
     p.add_argument("--per-table-caches", action="store_true",
                    help="one cache per table (standalone modules) instead of the collection's shared groups")
-    p.add_argument("--host-budget", default=None, metavar="SIZE", help="host bytes for host caches in front of a file tier")
+    p.add_argument("--host-budget", default=None,
+                   metavar="SIZE", help="host bytes for host caches in front of a file tier")
     p.add_argument("--min-rows", default="batch", metavar="batch|N",
                    help="least rows per table's cache: 'batch' (its largest batch's distinct ids) or a number")
-    p.add_argument("--sample-rate", type=float, default=1.0, metavar="R", help="SHARDS: keep this fraction of the id space")
+    p.add_argument("--sample-rate", type=float, default=1.0,
+                   metavar="R", help="SHARDS: keep this fraction of the id space")
     p.add_argument("--max-unique", default="auto", metavar="auto|none|N",
                    help="SHARDS: sample a table whose kept per-batch distinct ids pass this (auto: 2^20; none)")
     p.add_argument("--points", type=int, default=24, metavar="N", help="curve sizes per table")
@@ -194,14 +200,16 @@ def next_step(args, data, result) -> tuple[str, dict]:
         if args.policy not in ("lfu", "lookahead"):
             lines.append(f"               the recipe runs lfu (or lookahead with --prefetch-depth), not "
                          f"{args.policy}: re-run with --policy lfu for its figures")
-    lines.append(f"  in code:     plan = cachedemb.sizing.plan({src}, {flag if flag.isdigit() else repr(flag)}{dim}, batch_size={args.batch_size}, "
-                 f"optimizer={opt}, policy={args.policy!r})")
+    budget = flag if flag.isdigit() else repr(flag)
+    look = f", depth={args.depth}, horizon={args.horizon}" if args.policy == "lookahead" else ""
+    lines.append(f"  in code:     plan = cachedemb.sizing.plan({src}, {budget}{dim}, batch_size={args.batch_size}, "
+                 f"optimizer={opt}, policy={args.policy!r}{look})")
     lines.append("               ebc = cachedemb.CachedEmbeddingBagCollection(tables, cache_rows=plan.cache_rows, "
                  "optimizer=...)")
     if len(rows) <= _LITERAL_TABLES:
         lines.append(f"               or directly cache_rows={json.dumps(rows)}")
     else:
-        lines.append(f"               ({len(rows)} tables: each table's cache_rows is also in --json's \"tables\")")
+        lines.append(f"               ({len(rows)} tables: the rows per table are also in --json's next_step.cache_rows)")
     lines.append("               (tables: a cachedemb.TableConfig per table, named as above)")
     if args.policy == "lookahead":
         lines.append(f"               and train under cachedemb.prefetch(loader, [ebc], depth={args.depth}, "

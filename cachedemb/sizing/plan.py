@@ -276,9 +276,9 @@ def read_traces(source, tables=None, *, batch_size: int | None = None, limit_bat
                 max_unique: int | str | None = "auto", salt: int = 0) -> dict[str, TableTrace]:
     """A `TableTrace` per table from ``source``: a preprocessed recipe directory (``batch_size`` rows a batch,
     in the recipe's order for ``seed``/``epoch``), raw id files (a ``.npy`` / ``.npz`` or a directory of them,
-    `readers.IdFiles`; ``batch_size`` samples a batch, in file order), {table: batches} arrays or one table's batches, or an iterable
-    of model inputs (KeyedJaggedTensor, dict, 2-D tensor, (input, offsets); ``ids(batch)`` picks the input out of
-    a batch). ``tables`` map features to tables. ``max_unique="auto"`` samples a table whose kept per-batch
+    `readers.IdFiles`; ``batch_size`` samples a batch, in file order), {table: batches} arrays or one table's
+    batches, or an iterable of model inputs (KeyedJaggedTensor, dict, 2-D tensor, (input, offsets);
+    ``ids(batch)`` picks the input out of a batch). ``tables`` map features to tables. ``max_unique="auto"`` samples a table whose kept per-batch
     distinct ids pass `AUTO_MAX_UNIQUE`."""
     if isinstance(max_unique, str):
         if max_unique != "auto":

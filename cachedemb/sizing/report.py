@@ -170,8 +170,9 @@ def _other_panel(ax, small, plan) -> None:
     budget = sum(t.device_bytes for t in small) / max(plan.budget_bytes, 1)
     moved = sum(t.pcie_bytes_per_step for t in small) / max(sum(t.pcie_bytes_per_step for t in plan.tables), 1e-12)
     kind = "small" if all(_is_small(t, plan) for t in small) else "more"
-    ax.set_title(f"other: {len(small)} {kind} table{'s' if len(small) > 1 else ''}\n{budget:.1%} of the budget, {moved:.1%} of the bytes moved",
-                 fontsize=8.5)
+    plural = "s" if len(small) > 1 else ""
+    ax.set_title(f"other: {len(small)} {kind} table{plural}\n{budget:.1%} of the budget, {moved:.1%} of the bytes "
+                 "moved", fontsize=8.5)
 
 
 def _range_panel(ax, curve, handles) -> None:
