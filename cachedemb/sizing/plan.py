@@ -261,10 +261,11 @@ class SizingPlan:
 
         return format_table(self)
 
-    def plot(self, path: str | Path) -> Path:
+    def plot(self, path: str | Path, curve=None) -> Path:
+        """The PNG (`report.plot`); ``curve``: the `BudgetCurve` this plan was chosen from, drawn first."""
         from cachedemb.sizing.report import plot
 
-        return plot(self, path)
+        return plot(self, path, curve)
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -274,9 +275,10 @@ def read_traces(source, tables=None, *, batch_size: int | None = None, limit_bat
                 shuffle: bool = True, seed: int = 0, epoch: int = 0, ids=None, sample_rate: float = 1.0,
                 max_unique: int | str | None = "auto", salt: int = 0) -> dict[str, TableTrace]:
     """A `TableTrace` per table from ``source``: a preprocessed recipe directory (``batch_size`` rows a batch,
-    in the recipe's order for ``seed``/``epoch``), {table: batches} arrays or one table's batches, or an iterable
-    of model inputs (KeyedJaggedTensor, dict, 2-D tensor, (input, offsets); ``ids(batch)`` picks the input out of
-    a batch). ``tables`` map features to tables. ``max_unique="auto"`` samples a table whose kept per-batch
+    in the recipe's order for ``seed``/``epoch``), raw id files (a ``.npy`` / ``.npz`` or a directory of them,
+    `readers.IdFiles`; ``batch_size`` samples a batch, in file order), {table: batches} arrays or one table's
+    batches, or an iterable of model inputs (KeyedJaggedTensor, dict, 2-D tensor, (input, offsets);
+    ``ids(batch)`` picks the input out of a batch). ``tables`` map features to tables. ``max_unique="auto"`` samples a table whose kept per-batch
     distinct ids pass `AUTO_MAX_UNIQUE`."""
     if isinstance(max_unique, str):
         if max_unique != "auto":
@@ -284,11 +286,14 @@ def read_traces(source, tables=None, *, batch_size: int | None = None, limit_bat
         max_unique = AUTO_MAX_UNIQUE
     if isinstance(source, Mapping) and source and all(isinstance(v, TableTrace) for v in source.values()):
         return dict(source)
-    if isinstance(source, (str, Path)):
-        data = readers.DataDir(source)
+    if isinstance(source, (str, Path, readers.DataDir, readers.IdFiles)):
+        data = readers.open_path(source) if isinstance(source, (str, Path)) else source
         if batch_size is None:
-            raise ValueError("reading a data directory needs batch_size (the training batch size)")
-        stream = data.batches(batch_size, shuffle=shuffle, seed=seed, epoch=epoch, limit_batches=limit_batches)
+            raise ValueError("reading a data directory or id files needs batch_size (the training batch size)")
+        if isinstance(data, readers.IdFiles):
+            stream = data.batches(batch_size, limit_batches=limit_batches)
+        else:
+            stream = data.batches(batch_size, shuffle=shuffle, seed=seed, epoch=epoch, limit_batches=limit_batches)
     elif isinstance(source, Mapping) and all(isinstance(v, (list, tuple, np.ndarray)) for v in source.values()):
         stream = readers.read_arrays(source)
     elif isinstance(source, np.ndarray) or (isinstance(source, (list, tuple)) and source and
@@ -302,12 +307,16 @@ def read_traces(source, tables=None, *, batch_size: int | None = None, limit_bat
     return traces
 
 
-def _specs(tables, traces: Mapping[str, TableTrace], source, optimizer, embedding_dim) -> list[TableSpec]:
-    if tables is None and isinstance(source, (str, Path)):
-        data = readers.DataDir(source)
+def _specs(tables, traces: Mapping[str, TableTrace], data, optimizer, embedding_dim) -> list[TableSpec]:
+    if tables is None and isinstance(data, readers.DataDir):
         dim = embedding_dim or data.embedding_dim
         tables = [TableSpec(n, s, int(dim), feature_names=(f,))
                   for n, s, f in zip(data.table_names, data.table_sizes, data.features)]
+    if tables is None and isinstance(data, readers.IdFiles):
+        if embedding_dim is None:
+            raise ValueError("raw id files do not record the embedding dim: pass embedding_dim= (CLI: "
+                             "--embedding-dim) so the split knows each row's bytes")
+        tables = [TableSpec(n, s, int(embedding_dim)) for n, s in zip(data.table_names, data.table_sizes)]
     if tables is None:
         if embedding_dim is None:
             raise ValueError("pass tables= (TableConfigs / EmbeddingBagConfigs / TableSpecs) or embedding_dim= so "
@@ -397,22 +406,72 @@ def plan(source, budget_bytes: int | str, tables=None, *, optimizer=None, policy
     only), or a number. ``points`` sizes per curve, ``refine`` more around each chosen size; sampling:
     ``sample_rate``, ``max_unique``, ``salt``, ``error_bands``.
     """
-    for p in (policy, *compare):
-        if p not in POLICIES:
-            raise ValueError(f"policy {p!r}: expected one of {POLICIES}")
+    budget_bytes = _check_budget(budget_bytes)  # before any trace is read
+    ctx = _prepare(source, tables, optimizer=optimizer, policy=policy, horizon=horizon, depth=depth,
+                   overlap=overlap, compare=compare, groups=groups, id_freq=id_freq, warmup_ratio=warmup_ratio,
+                   host_budget_bytes=host_budget_bytes, min_rows=min_rows, embedding_dim=embedding_dim,
+                   points=points, refine=refine, error_bands=error_bands, batch_size=batch_size,
+                   limit_batches=limit_batches, shuffle=shuffle, seed=seed, epoch=epoch, ids=ids,
+                   sample_rate=sample_rate, max_unique=max_unique, salt=salt)
+    return _plan_at(ctx, budget_bytes, tuple(compare))
+
+
+def _check_budget(budget_bytes) -> int:
     budget_bytes = parse_bytes(budget_bytes) if isinstance(budget_bytes, str) else budget_bytes
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)) or budget_bytes < 1:
         raise ValueError(f"budget_bytes must be a positive number of bytes (an int or e.g. '8GiB'), got "
                          f"{budget_bytes!r}")
+    return int(budget_bytes)
+
+
+@dataclass
+class _Context:
+    """What every budget's split shares: the specs, traces and curves (refined in place as budgets are split:
+    a later split sees every point an earlier one measured), each table's size range, the warm starts."""
+
+    specs: list[TableSpec]
+    traces: dict[str, TableTrace]
+    curves: list[MissRatioCurve]
+    top: list[int]
+    floors: list[int]
+    warm: dict
+    kw: dict
+    policy: str
+    groups: object
+    min_rows: object
+    refine: int
+    host_budget_bytes: int | None
+    warmup_ratio: float | None
+
+    @property
+    def least_bytes(self) -> int:
+        """The smallest budget the split accepts: every table at its floor."""
+        return sum(f * s.device_row_bytes for f, s in zip(self.floors, self.specs))
+
+    @property
+    def whole_bytes(self) -> int:
+        """The budget at which every table's cache holds all its distinct ids (more changes nothing)."""
+        return sum(t * s.device_row_bytes for t, s in zip(self.top, self.specs))
+
+
+def _prepare(source, tables, *, optimizer, policy, horizon, depth, overlap, compare, groups, id_freq, warmup_ratio,
+             host_budget_bytes, min_rows, embedding_dim, points, refine, error_bands, batch_size, limit_batches,
+             shuffle, seed, epoch, ids, sample_rate, max_unique, salt) -> _Context:
+    """Traces, specs and each table's curve under ``policy``: everything of `plan` but the split."""
+    for p in (policy, *compare):
+        if p not in POLICIES:
+            raise ValueError(f"policy {p!r}: expected one of {POLICIES}")
     if isinstance(host_budget_bytes, str):
         host_budget_bytes = parse_bytes(host_budget_bytes)
+    if isinstance(source, (str, Path)):
+        source = readers.open_path(source)
     traces = read_traces(source, tables, batch_size=batch_size, limit_batches=limit_batches, shuffle=shuffle,
                          seed=seed, epoch=epoch, ids=ids, sample_rate=sample_rate, max_unique=max_unique, salt=salt)
     specs = _specs(tables, traces, source, optimizer, embedding_dim)
     if isinstance(id_freq, str):
         if id_freq != "auto":
             raise ValueError(f"id_freq must be 'auto', None or {{table: counts}}, got {id_freq!r}")
-        id_freq = readers.DataDir(source).id_freq() if isinstance(source, (str, Path)) else None
+        id_freq = source.id_freq() if isinstance(source, readers.DataDir) else None
     warm = {}
     if id_freq is not None and warmup_ratio is not None:
         unknown = set(id_freq) - {s.name for s in specs}
@@ -433,51 +492,63 @@ def plan(source, budget_bytes: int | str, tables=None, *, optimizer=None, policy
                                        warm_start=warm.get(s.name), **kw))
         top.append(int(sizes[-1]))
         floors.append(floor)
+    return _Context(specs, traces, curves, top, floors, warm, kw, policy, groups, min_rows, refine,
+                    host_budget_bytes, warmup_ratio)
+
+
+def _plan_at(ctx: _Context, budget_bytes: int, compare: tuple[str, ...] = ()) -> SizingPlan:
+    """The split of ``budget_bytes`` over ``ctx``'s curves (refining them around it), and its predictions."""
+    specs, traces, curves, top, floors, warm, kw, policy = (ctx.specs, ctx.traces, ctx.curves, ctx.top, ctx.floors,
+                                                            ctx.warm, ctx.kw, ctx.policy)
     try:
         split = split_budget(_costs(specs, curves, top, floors), int(budget_bytes))
     except ValueError as e:
-        if "below the smallest caches" not in str(e) or min_rows != "batch":
+        if "below the smallest caches" not in str(e) or ctx.min_rows != "batch":
             raise
         raise ValueError(f"{e}; min_rows='batch' keeps each cache at least one batch's distinct ids (smaller caches "
                          "stream every batch; the module serves those rows from the host): raise the budget or pass "
                          "min_rows=1") from None
-    if refine:
+    if ctx.refine:
         for i, s in enumerate(specs):
             c, chosen = curves[i], split.rows[s.name]
             k = int(np.searchsorted(c.sizes, chosen))
             lo, hi = c.sizes[max(k - 1, 0)], c.sizes[min(k + 1, c.sizes.size - 1)]
-            extra = np.setdiff1d(np.unique(np.linspace(lo, hi, refine + 2).round().astype(np.int64)), c.sizes)
+            extra = np.setdiff1d(np.unique(np.linspace(lo, hi, ctx.refine + 2).round().astype(np.int64)), c.sizes)
             extra = extra[extra > 0]
             if extra.size:
                 more = miss_ratio_curve(traces[s.name], policy, extra, num_rows=s.num_embeddings,
                                         warm_start=warm.get(s.name), **kw)
                 curves[i] = _merge_curves(c, more)
         split = split_budget(_costs(specs, curves, top, floors), int(budget_bytes))
-    plans = []
-    for i, s in enumerate(specs):
-        per_policy = {policy: curves[i]}
-        for p in compare:
-            if p not in per_policy:
-                per_policy[p] = miss_ratio_curve(traces[s.name], p, curves[i].sizes, num_rows=s.num_embeddings,
-                                                 warm_start=warm.get(s.name), **kw)
-        plans.append(TablePlan(s, split.rows[s.name], per_policy, policy, group=-1))
+    plans = [TablePlan(s, split.rows[s.name], {policy: curves[i]}, policy, group=-1) for i, s in enumerate(specs)]
+    _add_compare(ctx, plans, compare)
     group_plans = []
-    for g, members in enumerate(_groups(groups, specs)):
+    for g, members in enumerate(_groups(ctx.groups, specs)):
         for i in members:
             plans[i].group = g
         group_plans.append(_predict_group([plans[i] for i in members], [traces[specs[i].name] for i in members],
                                           warm, policy, kw))
     host_split = None
-    if host_budget_bytes is not None:
+    if ctx.host_budget_bytes is not None:
         floor = [p.cache_rows for p in plans]
         host_split = split_budget(_costs(specs, curves, [max(a, b) for a, b in zip(top, floor)], floor, "host"),
-                                  int(host_budget_bytes))
+                                  int(ctx.host_budget_bytes))
         for p in plans:
             p.host_rows = host_split.rows[p.name]
-    options = {"horizon": horizon, "depth": depth, "overlap": overlap} if policy == "lookahead" else {}
+    options = dict(horizon=kw["horizon"], depth=kw["depth"], overlap=kw["overlap"]) if policy == "lookahead" else {}
     if warm:
-        options["warmup_ratio"] = warmup_ratio
-    return SizingPlan(plans, group_plans, int(budget_bytes), split, policy, options, host_budget_bytes, host_split)
+        options["warmup_ratio"] = ctx.warmup_ratio
+    return SizingPlan(plans, group_plans, int(budget_bytes), split, policy, options, ctx.host_budget_bytes,
+                      host_split)
+
+
+def _add_compare(ctx: _Context, plans, compare) -> None:
+    """Each table's curve under the ``compare`` policies too, at its curve's sizes (for the report)."""
+    for t in getattr(plans, "tables", plans):
+        for p in compare:
+            if p not in t.curves:
+                t.curves[p] = miss_ratio_curve(ctx.traces[t.name], p, t.curve.sizes, num_rows=t.spec.num_embeddings,
+                                               warm_start=ctx.warm.get(t.name), **ctx.kw)
 
 
 def _predict_group(plans: list[TablePlan], traces: list[TableTrace], warm: dict, policy: str, kw) -> GroupPlan:

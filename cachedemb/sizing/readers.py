@@ -1,6 +1,7 @@
-"""Id traces per table from what users have: a preprocessed recipe data directory, an iterable of model inputs
-(torchrec KeyedJaggedTensors, dicts {feature: (values, offsets)}, 2-D id tensors [batch, features], or
-nn.EmbeddingBag's `(input, offsets)`), or arrays.
+"""Id traces per table from what users have: a preprocessed recipe data directory, raw id files (`.npy` /
+`.npz`, or a directory of them), an iterable of model inputs (torchrec KeyedJaggedTensors, dicts
+{feature: (values, offsets)}, 2-D id tensors [batch, features], or nn.EmbeddingBag's `(input, offsets)`), or
+arrays.
 
 Every reader yields one dict {table: ids of the batch} per batch; `collect` turns the stream into a `TableTrace`
 per table, sampling as it goes (`shards`), so a trace larger than memory is read once and never held whole.
@@ -205,4 +206,139 @@ class DataDir:
         return {name: np.asarray(freq[offsets[j]:offsets[j + 1]]) for j, name in enumerate(self.table_names)}
 
 
-__all__ = ["DataDir", "batch_ids", "collect", "feature_tables", "read_arrays", "read_batches"]
+# ------------------------------------------------------------------------------------------- raw id files
+
+
+class IdFiles:
+    """Raw ids per table, one id per sample: a ``.npy`` (one table named by its file stem), an ``.npz`` (a table
+    per array, named by its key) or a directory of them (its ``*.npy`` and ``*.npz``, by name). An array is
+    ``[samples]`` (one table) or ``[samples, k]`` (k tables, ``<name>_0`` .. ``<name>_<k-1>``); ids are
+    non-negative integers and every table has the same samples, batched in file order.
+
+    Everything is checked on opening (dtype, shape, signs, rows), before any sizing starts; a bad file raises
+    ValueError (FileNotFoundError for a missing path) naming it and what was expected.
+
+    Args:
+        path: the file or directory.
+        num_rows: rows per table: an int for every table, {table: rows} (tables not named are inferred), or
+            None: each table's max id + 1 (`rows_given` says which).
+    """
+
+    SUFFIXES = (".npy", ".npz")
+
+    def __init__(self, path: str | os.PathLike, num_rows: int | Mapping[str, int] | None = None):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise FileNotFoundError(f"{str(self.path)!r} not found; expected a .npy or .npz of ids, a directory of "
+                                    "them, or a directory preprocessed by the DLRM recipe")
+        if self.path.is_dir():
+            files = sorted(f for f in self.path.iterdir() if f.suffix in self.SUFFIXES and f.is_file())
+            if not files:
+                raise ValueError(f"{str(self.path)!r} holds no .npy or .npz files (and no metadata.json of a "
+                                 "recipe-preprocessed directory); expected one id file per table")
+        elif self.path.suffix in self.SUFFIXES:
+            files = [self.path]
+        else:
+            raise ValueError(f"{str(self.path)!r}: expected a .npy or .npz of ids, a directory of them, or a "
+                             f"directory preprocessed by the DLRM recipe; got a {self.path.suffix or 'suffix-less'} "
+                             "file")
+        self.columns: dict[str, tuple[np.ndarray, int | None, Path]] = {}  # table: (array, column or None, file)
+        self.max_ids: dict[str, int] = {}
+        for f in files:
+            for name, arr in self._arrays(f):
+                self._add(name, arr, f)
+        samples = {n: a.shape[0] for n, (a, _, _) in self.columns.items()}
+        if len(set(samples.values())) > 1:
+            raise ValueError(f"{str(self.path)!r}: every table needs the same number of samples (one id per sample "
+                             f"each), got {samples}")
+        self.num_samples = next(iter(samples.values()))
+        self.table_names = list(self.columns)
+        self.table_sizes, self.rows_given = self._rows(num_rows)
+        self.embedding_dim = None
+
+    @staticmethod
+    def _arrays(f: Path):
+        try:
+            loaded = np.load(f, mmap_mode="r", allow_pickle=False)
+        except Exception as e:  # noqa: BLE001 - numpy raises several kinds for a corrupt or foreign file
+            raise ValueError(f"{str(f)!r} is not a readable {f.suffix} file ({type(e).__name__}: {e})") from None
+        if isinstance(loaded, np.ndarray):
+            return [(f.stem, loaded)]
+        with loaded:
+            if not loaded.files:
+                raise ValueError(f"{str(f)!r} holds no arrays; expected one array of ids per table")
+            return [(k, loaded[k]) for k in loaded.files]
+
+    def _add(self, name: str, arr: np.ndarray, f: Path) -> None:
+        what = f"{str(f)!r}" + (f" array {name!r}" if f.suffix == ".npz" else "")
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{what}: ids must be integers (row indices), got dtype {arr.dtype}; cast them, e.g. "
+                             "np.save(path, ids.astype(np.int64))")
+        if arr.ndim not in (1, 2) or arr.shape[0] == 0 or (arr.ndim == 2 and not 1 <= arr.shape[1] <= arr.shape[0]):
+            hint = " (more tables than samples: transpose it)" if arr.ndim == 2 and arr.shape[1] > arr.shape[0] else ""
+            raise ValueError(f"{what}: shape {arr.shape}; expected [samples] (one table) or [samples, tables], "
+                             f"with at least one sample{hint}")
+        names = [name] if arr.ndim == 1 else [name] if arr.shape[1] == 1 else [f"{name}_{j}"
+                                                                                   for j in range(arr.shape[1])]
+        lo, hi = np.atleast_1d(arr.min(axis=0)), np.atleast_1d(arr.max(axis=0))  # one pass over the file
+        for j, n in enumerate(names):
+            if lo[j] < 0:
+                raise ValueError(f"{what}: table {n!r} has id {int(lo[j])}; expected non-negative integer ids "
+                                 "(row indices)")
+            if n in self.columns:
+                raise ValueError(f"{what}: table {n!r} is also in {str(self.columns[n][2])!r}; expected distinct "
+                                 "table names (file stems, .npz keys)")
+            self.columns[n] = (arr, None if arr.ndim == 1 else j, f)
+            self.max_ids[n] = int(hi[j])
+
+    def _rows(self, num_rows) -> tuple[list[int], dict[str, bool]]:
+        if num_rows is None:
+            given = {}
+        elif isinstance(num_rows, Mapping):
+            unknown = sorted(set(num_rows) - set(self.table_names))
+            if unknown:
+                raise ValueError(f"rows given for unknown table(s) {unknown}; the tables are {self.table_names}")
+            given = dict(num_rows)
+        else:
+            given = {n: num_rows for n in self.table_names}
+        sizes = []
+        for n in self.table_names:
+            rows = given.get(n)
+            if rows is None:
+                sizes.append(self.max_ids[n] + 1)
+                continue
+            if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 1:
+                raise ValueError(f"rows of table {n!r} must be a positive int, got {rows!r}")
+            if self.max_ids[n] >= rows:
+                raise ValueError(f"{str(self.columns[n][2])!r}: table {n!r} has id {self.max_ids[n]}, outside its "
+                                 f"{rows} rows; expected ids in [0, {rows})")
+            sizes.append(int(rows))
+        return sizes, {n: n in given for n in self.table_names}
+
+    def batches(self, batch_size: int, *, limit_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """Per batch {table: ids} of ``batch_size`` samples, in file order (the last batch may be short)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        count = -(-self.num_samples // batch_size)
+        if limit_batches is not None:
+            count = min(count, limit_batches)
+        for b in range(count):
+            sl = slice(b * batch_size, (b + 1) * batch_size)
+            yield {n: np.asarray(a[sl] if col is None else a[sl, col], dtype=np.int64)
+                   for n, (a, col, _) in self.columns.items()}
+
+
+def open_path(path: str | os.PathLike, num_rows=None) -> "DataDir | IdFiles":
+    """A recipe-preprocessed directory (it, or its parent, holds `metadata.json`) as `DataDir`, else raw id files
+    (`IdFiles`). ``num_rows`` applies to raw ids only."""
+    p = Path(path)
+    if p.is_dir() and ((p / "metadata.json").is_file() or (p / "preprocessed" / "metadata.json").is_file()):
+        if num_rows is not None:
+            raise ValueError(f"{str(p)!r} is a recipe-preprocessed directory: its metadata.json gives the rows per "
+                             "table; rows are set only for raw ids")
+        return DataDir(p)
+    return IdFiles(p, num_rows)
+
+
+__all__ = ["DataDir", "IdFiles", "batch_ids", "collect", "feature_tables", "open_path", "read_arrays",
+           "read_batches"]
