@@ -9,7 +9,7 @@ pytest.importorskip("tqdm")
 
 from cachedemb.recipes.dlrm import main as dlrm_main  # noqa: E402
 
-COMMON = ["--synthetic-rows", "30000", "--embedding-dim", "8", "--batch-size", "512", "--quiet", "--device", "cpu",
+COMMON = ["--synthetic-samples", "30000", "--embedding-dim", "8", "--batch-size", "512", "--quiet", "--device", "cpu",
           "--epochs", "1", "--eval-batches", "1"]
 
 

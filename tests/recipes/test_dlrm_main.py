@@ -10,7 +10,7 @@ from cachedemb.recipes.dlrm import main as dlrm_main  # noqa: E402
 
 ROWS = 100_000
 # Small and fast: dim 8, batch 1024, 1% cache; one epoch over 90k train rows reaches AUC ~0.74 (oracle 0.79).
-COMMON = ["--synthetic-rows", str(ROWS), "--embedding-dim", "8", "--batch-size", "1024", "--quiet",
+COMMON = ["--synthetic-samples", str(ROWS), "--embedding-dim", "8", "--batch-size", "1024", "--quiet",
           "--cache-ratio", "0.01", "--device", "cpu"]
 
 

@@ -12,7 +12,8 @@ of weights is ever stored) and missing ids have weight 0.
 
 Output depends only on the arguments (including ``seed``): rows are generated in
 fixed blocks of :data:`BLOCK_ROWS`, each from its own seeded RNG, and written out
-block by block, so memory stays bounded for any ``num_rows``.
+block by block, so memory stays bounded for any ``num_rows``. ``progress(stage, done, total, unit)``, when
+given, is called after each block (the recipe draws its progress bar from it; this module prints nothing).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -28,8 +29,12 @@ from .avazu import AVAZU_HEADER, splitmix64
 from .configs import AVAZU_APPROX_CARDINALITIES, AVAZU_HASHED_COLUMNS, SYNTHETIC_CRITEO
 from .criteo import CRITEO_NUM_CAT, CRITEO_NUM_DENSE
 
+#: progress(stage, done, total, unit): `done` of `total` units of `stage` finished so far.
+Progress = Callable[[str, int, int, str], None]
+
 __all__ = [
     "BLOCK_ROWS",
+    "Progress",
     "SYNTHETIC_AVAZU_CARDINALITIES",
     "AVAZU_DECIMAL_COLUMNS",
     "PlantedSignal",
@@ -199,6 +204,7 @@ def write_criteo_tsv(
     bias: float = -1.2,
     cat_scale: float = 1.5,
     dense_scale: float = 0.5,
+    progress: Progress | None = None,
 ) -> PlantedSignal:
     """Write ``num_rows`` Criteo-format lines (label, 13 dense, 26 hex categoricals).
 
@@ -230,6 +236,8 @@ def write_criteo_tsv(
             cols += [dense_s[:, j].tolist() for j in range(CRITEO_NUM_DENSE)]
             cols += [cats_s[:, j].tolist() for j in range(CRITEO_NUM_CAT)]
             _emit(f, b"\t", cols)
+            if progress is not None:
+                progress("generating", b * BLOCK_ROWS + n, num_rows, "samples")
     return signal
 
 
@@ -245,6 +253,7 @@ def write_avazu_csv(
     num_days: int = 10,
     bias: float = -1.6,
     cat_scale: float = 1.5,
+    progress: Progress | None = None,
 ) -> PlantedSignal:
     """Write an Avazu-format CSV (header + ``num_rows`` lines).
 
@@ -291,4 +300,6 @@ def write_avazu_csv(
                 text = ids[:, j].astype(np.bytes_) if name in AVAZU_DECIMAL_COLUMNS else _hex8(ids[:, j])
                 cols.append(np.where(ids[:, j] == 0, b"", text).tolist())
             _emit(f, b",", cols)
+            if progress is not None:
+                progress("generating", b * BLOCK_ROWS + n, num_rows, "samples")
     return signal
