@@ -28,11 +28,11 @@ def say(args, text: str) -> None:
 
 
 def clock(seconds: float) -> str:
-    """4.2 s, 1 min 05 s, 2 h 03 min."""
+    """0.0612 s, 4.21 s, 1 min 05 s, 2 h 03 min."""
     if seconds != seconds:  # NaN
         return "n/a"
     if seconds < 60:
-        return f"{seconds:.2g} s" if seconds < 10 else f"{seconds:.0f} s"
+        return f"{seconds:.3g} s"
     minutes, secs = divmod(int(round(seconds)), 60)
     if minutes < 60:
         return f"{minutes} min {secs:02d} s"
