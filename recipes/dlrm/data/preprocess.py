@@ -26,6 +26,7 @@ import math
 import os
 import shutil
 import tempfile
+from concurrent.futures import FIRST_EXCEPTION, wait
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -131,10 +132,11 @@ def preprocess_files(
     if out.exists() and not overwrite:
         raise FileExistsError(f"preprocess_files: output {str(out)!r} exists; pass overwrite=True to replace it")
     header = _HEADER_LINES[config.raw_format]
-    executor = parallel.pool(workers) if workers > 1 else None
+    counter = parallel.row_counter() if workers > 1 and progress is not None else None
+    executor = parallel.pool(workers, counter) if workers > 1 else None
     try:
         return _preprocess(inputs, out, config, plan, chunk_rows, header, executor, workers, split_bytes,
-                           progress or _no_progress)
+                           progress or _no_progress, counter)
     finally:
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
@@ -144,7 +146,8 @@ def _no_progress(stage: str, done: int, total: int, unit: str) -> None:
     pass
 
 
-def _preprocess(inputs, out, config, plan, chunk_rows, header, executor, workers, split_bytes, progress) -> Path:
+def _preprocess(inputs, out, config, plan, chunk_rows, header, executor, workers, split_bytes, progress,
+                counter) -> Path:
     file_bytes = [p.stat().st_size for p in inputs]
     total_bytes, done_bytes = sum(file_bytes), 0
     progress("counting lines", 0, total_bytes, "B")
@@ -191,7 +194,7 @@ def _preprocess(inputs, out, config, plan, chunk_rows, header, executor, workers
         progress("parsing", 0, total, "samples")
         if executor is not None:
             _fill_parallel(executor, workers, flat, unit_rows, tmp, config, bounds, offsets, chunk_rows, header,
-                           progress)
+                           progress, counter)
         read = _READERS[config.raw_format]
         pos = 0  # global row index of the next row
         for path, expected in zip(inputs if executor is None else [], rows_per_file):
@@ -253,8 +256,9 @@ def _preprocess(inputs, out, config, plan, chunk_rows, header, executor, workers
 
 
 def _fill_parallel(executor, workers: int, units, unit_rows, tmp: Path, config: DatasetConfig, bounds, offsets,
-                   chunk_rows: int, header: int, progress: Progress) -> None:
-    """Rows by unit (each worker writes its own rows), then train id counts by feature group."""
+                   chunk_rows: int, header: int, progress: Progress, counter) -> None:
+    """Rows by unit (each worker writes its own rows), then train id counts by feature group. `counter` (or None):
+    the workers' shared count of rows written, polled for progress while the units run."""
     tasks, row, line = [], 0, 1
     for unit, rows in zip(units, unit_rows):
         line = 1 if unit.start == 0 else line  # a new file starts at line 1
@@ -262,14 +266,21 @@ def _fill_parallel(executor, workers: int, units, unit_rows, tmp: Path, config: 
                                        str(tmp), tuple(int(b) for b in bounds), SPLITS,
                                        tuple(int(s) for s in config.table_sizes), chunk_rows))
         row, line = row + rows, line + rows + (header if unit.skip_header else 0)
-    done, total = 0, int(bounds[-1])
-    for task, rows, written in zip(tasks, unit_rows, executor.map(parallel.fill_unit, tasks)):
-        done += written
-        progress("parsing", min(done, total), total, "samples")
+    total = int(bounds[-1])
+    futures = [executor.submit(parallel.fill_unit, task) for task in tasks]
+    pending = set(futures)
+    while pending and counter is not None:
+        done, pending = wait(pending, timeout=0.25, return_when=FIRST_EXCEPTION)
+        progress("parsing", min(counter.value, total), total, "samples")
+        if any(f.exception() is not None for f in done):
+            break  # raised below, in unit order
+    for task, rows, future in zip(tasks, unit_rows, futures):
+        written = future.result()
         if written != rows:
             raise RuntimeError(f"preprocess_files: {task.unit.path!r} bytes {task.unit.start}..{task.unit.end} had "
                                f"{rows} data lines when counted but {written} when read; was it modified during "
                                "preprocessing?")
+    progress("parsing", total, total, "samples")
     n_train = int(bounds[1] - bounds[0])
     if n_train:
         groups = parallel.balance_features(config.table_sizes, workers)
