@@ -180,7 +180,7 @@ def test_preprocess_progress_reaches_each_stage_total(tmp_path, workers):
     config = synthetic_criteo(scale=1 / 4000, min_large=500)
     calls = []
     write_criteo_tsv(tmp_path / "train.txt", 70_000, config.table_sizes, progress=lambda *a: calls.append(a))
-    assert calls[-1] == ("generating", 70_000, 70_000, "samples") and len(calls) == 3  # one per 32768-line block
+    assert calls == [("generating", n, 70_000, "samples") for n in (0, 32768, 65536, 70_000)]  # start, blocks
     calls.clear()
     preprocess_criteo_kaggle(tmp_path / "train.txt", tmp_path / "pre", config=config, workers=workers,
                              split_bytes=4 << 20, progress=lambda *a: calls.append(a))

@@ -13,7 +13,8 @@ of weights is ever stored) and missing ids have weight 0.
 Output depends only on the arguments (including ``seed``): rows are generated in
 fixed blocks of :data:`BLOCK_ROWS`, each from its own seeded RNG, and written out
 block by block, so memory stays bounded for any ``num_rows``. ``progress(stage, done, total, unit)``, when
-given, is called after each block (the recipe draws its progress bar from it; this module prints nothing).
+given, is called at the start and after each block (the recipe draws its progress bar from it; nothing here
+prints).
 """
 
 from __future__ import annotations
@@ -221,6 +222,8 @@ def write_criteo_tsv(
     if max(cardinalities) > 2**32:
         raise ValueError(f"write_criteo_tsv: max cardinality {max(cardinalities)}; expected <= 2**32 (8 hex digits)")
     signal = PlantedSignal(tuple(cardinalities), CRITEO_NUM_DENSE, int(seed), bias, cat_scale, dense_scale)
+    if progress is not None:
+        progress("generating", 0, num_rows, "samples")
     with open(os.fspath(path), "wb") as f:
         for b, n in _blocks(num_rows):
             rng = np.random.default_rng([int(seed), 0, b])
@@ -278,6 +281,8 @@ def write_avazu_csv(
     ncol = len(AVAZU_HASHED_COLUMNS)
     # Hour-of-day rides along as feature 22 so the derived categoricals carry signal too.
     signal = PlantedSignal(tuple(cardinalities) + (25,), 0, int(seed), bias, cat_scale, 0.0)
+    if progress is not None:
+        progress("generating", 0, num_rows, "samples")
     with open(os.fspath(path), "wb") as f:
         f.write(AVAZU_HEADER.encode() + b"\n")
         for b, n in _blocks(num_rows):
