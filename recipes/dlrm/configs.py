@@ -49,7 +49,7 @@ class RunPreset:
     interaction: str = "dcn"  # MLPerf DLRM-DCNv2: --interaction_type=dcn
     dcn_num_layers: int = 3  # MLPerf DLRM-DCNv2: --dcn_num_layers=3
     dcn_low_rank_dim: int = 512  # MLPerf DLRM-DCNv2: --dcn_low_rank_dim=512
-    synthetic_rows: int = 0  # synthetic presets only: rows to generate
+    synthetic_samples: int = 0  # synthetic presets only: samples (lines) to generate
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -81,7 +81,7 @@ PRESETS: dict[str, RunPreset] = {
     "synthetic-demo": RunPreset("synthetic-demo", _synthetic_demo, embedding_dim=16, batch_size=2048, epochs=1,
                                 optimizer="rowwise_adagrad", lr=0.1, dense_lr=0.05, lr_warmup_steps=0,
                                 dense_arch_layer_sizes=(64, 16), over_arch_layer_sizes=(64, 32, 1),
-                                interaction="dot", synthetic_rows=400_000),
+                                interaction="dot", synthetic_samples=400_000),
 }
 
 #: --data value -> preset name

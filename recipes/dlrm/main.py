@@ -1,7 +1,9 @@
 """Train and evaluate DLRM with a CachedEmbeddingBagCollection: `python -m cachedemb.recipes.dlrm.main --help`
 (from a checkout's root `python -m recipes.dlrm.main` is the same program).
 
-`main(argv)` returns the final metrics dict (and prints it as one JSON line), so tests call it directly.
+`main(argv)` returns the final metrics dict (full precision) and prints a short summary of it (--metrics-file also
+writes it as JSON), so tests call it directly. The flags are in cli.py, progress bars in progress.py, the summary
+in report.py.
 Data: --data synthetic generates a planted-signal Criteo TSV and preprocesses it; the real data sets are
 preprocessed from their raw files in --data-dir on first use (to --data-dir/preprocessed).
 
@@ -15,13 +17,11 @@ own (`<table>.rank<r>of<w>.cemb`, --host-cache-mb per rank); the checkpoints the
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import importlib
 import itertools
 import shutil
-import json
 import math
 import os
 import random
@@ -37,92 +37,21 @@ import torch.distributed as dist
 from torch import nn
 
 import cachedemb
-from cachedemb import optim, sizing
+from cachedemb import sizing
 
-from .configs import DATA_PRESET, INTERACTIONS, RunPreset, get_preset
+from . import progress, report
+from .cli import SPARSE_OPTIMIZERS, parse_args
+from .configs import RunPreset
 from .data import (PreprocessedSplit, load_id_freq, load_metadata, preprocess_avazu, preprocess_criteo_1tb,
                    preprocess_criteo_kaggle, write_criteo_tsv)
-from .lr_schedule import LRSchedule, set_learning_rates
+from .lr_schedule import set_learning_rates
 from .model import DLRM, DLRMConfig
 
-SPARSE_OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "rowwise_adagrad": optim.RowWiseAdagrad,
-                     "adam": optim.Adam}
 CHECKPOINT = "latest.pt"
 DIST_CHECKPOINT = "latest.dcp"  # a torch.distributed.checkpoint directory (sharded runs), + TRAINER inside
 TRAINER = "trainer.pt"  # dense optimizer, position, RNG of a sharded run
 FINAL = "final.pt"
 FINAL_DIST = "final.dcp"  # the end of a torchrun run with --table-dir: each rank's table files' snapshots
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cachedemb.recipes.dlrm.main", description=__doc__.splitlines()[0])
-    p.add_argument("--data", choices=sorted(DATA_PRESET), default="synthetic")
-    p.add_argument("--data-dir", default=None, help="raw files (real data) or where to generate (synthetic; "
-                   "default ./data/synthetic)")
-    p.add_argument("--synthetic-rows", type=int, default=None)
-    p.add_argument("--cache-ratio", type=float, default=None)
-    p.add_argument("--cache-budget", default=None,
-                   help="device bytes for all caches (e.g. 8GiB): rows per table from the train split's miss-ratio "
-                        "curves (cachedemb.sizing) instead of --cache-ratio")
-    p.add_argument("--prefetch-depth", type=int, default=0, help="batches to prefetch ahead (0 = off)")
-    p.add_argument("--prefetch-horizon", type=int, default=None)
-    p.add_argument("--optimizer", choices=sorted(SPARSE_OPTIMIZERS), default=None, help="embedding optimizer")
-    p.add_argument("--lr", type=float, default=None, help="embedding learning rate")
-    p.add_argument("--dense-optimizer", choices=["adagrad", "sgd"], default=None)
-    p.add_argument("--dense-lr", type=float, default=None)
-    p.add_argument("--lr-warmup-steps", type=int, default=None, help="linear warm-up of both learning rates")
-    p.add_argument("--lr-decay-start", type=int, default=None, help="step where the quadratic decay starts")
-    p.add_argument("--lr-decay-steps", type=int, default=None, help="steps of quadratic decay (0 = none)")
-    p.add_argument("--interaction", choices=INTERACTIONS, default=None, help="dot (DLRM) or dcn (DCNv2)")
-    p.add_argument("--dcn-num-layers", type=int, default=None)
-    p.add_argument("--dcn-low-rank-dim", type=int, default=None)
-    p.add_argument("--embedding-dim", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--epochs", type=int, default=None)
-    p.add_argument("--limit-batches", type=int, default=None, help="train batches per epoch at most")
-    p.add_argument("--eval-batches", type=int, default=None, help="val batches to evaluate at most")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--log-every", type=int, default=50)
-    p.add_argument("--log-dir", default=None, help="CSV log (and TensorBoard if installed)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0 = off)")
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir/latest.pt")
-    p.add_argument("--table-dir", default=None,
-                   help="keep the embedding tables in files here (cachedemb.FileStorage: tables larger than host "
-                        "memory); with --resume the files continue from the checkpoint's snapshots")
-    p.add_argument("--host-cache-mb", type=int, default=1024,
-                   help="with --table-dir: host memory for cached rows of all tables together (MiB)")
-    p.add_argument("--stop-after-steps", type=int, default=None, help=argparse.SUPPRESS)  # simulates a crash
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=None, help="preprocessing processes (default: all cores)")
-    p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(argv)
-    preset = get_preset(DATA_PRESET[args.data])
-    for name in ("synthetic_rows", "cache_ratio", "optimizer", "lr", "dense_optimizer", "dense_lr",
-                 "embedding_dim", "batch_size", "epochs", "lr_warmup_steps", "lr_decay_start", "lr_decay_steps",
-                 "interaction", "dcn_num_layers", "dcn_low_rank_dim"):
-        if getattr(args, name) is None:
-            setattr(args, name, getattr(preset, name))
-    for name in ("batch_size", "epochs", "embedding_dim", "log_every"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not 0 < args.cache_ratio <= 1:
-        raise ValueError(f"--cache-ratio must be in (0, 1], got {args.cache_ratio}")
-    if args.cache_budget is not None:
-        args.cache_budget = sizing.parse_bytes(args.cache_budget)
-    if args.table_dir is not None:
-        if args.host_cache_mb < 1:
-            raise ValueError(f"--host-cache-mb must be >= 1, got {args.host_cache_mb}")
-        existing = sorted(Path(args.table_dir).glob("*.cemb")) if Path(args.table_dir).is_dir() else []
-        if existing and not args.resume:
-            raise ValueError(f"--table-dir {args.table_dir!r} already holds table files ({existing[0].name}, ...): "
-                             "continue them with --resume, or give an empty directory")
-    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
-        raise ValueError("--checkpoint-every/--resume need --checkpoint-dir")
-    args.lr_schedule = LRSchedule(args.lr_warmup_steps, args.lr_decay_start, args.lr_decay_steps)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args.preset = preset
-    return args
 
 
 # --------------------------------------------------------------------------------------------- torchrun
@@ -173,18 +102,23 @@ def _require(path: Path, what: str) -> Path:
 def prepare_data(args, preset: RunPreset) -> Path:
     """The preprocessed directory for --data, generating / preprocessing it first if needed."""
     if args.data == "synthetic":
-        root = Path(args.data_dir or "data/synthetic") / f"criteo_{args.synthetic_rows}rows"
+        # (the directory keeps its former name, `rows` = lines of the file: data generated before stays found)
+        root = Path(args.data_dir or "data/synthetic") / f"criteo_{args.synthetic_samples}rows"
         out = root / "preprocessed"
         if not (out / "metadata.json").is_file():
             root.mkdir(parents=True, exist_ok=True)
             raw = root / "train.txt"
             config = preset.dataset()
             if not raw.is_file():
+                progress.say(args, f"data: generating {args.synthetic_samples:,} synthetic Criteo-format samples "
+                                   f"into {raw} (once; later runs reuse it)")
                 tmp = root / "train.txt.tmp"
-                write_criteo_tsv(tmp, args.synthetic_rows, config.table_sizes, seed=0)
+                stages = progress.StageProgress(args)
+                write_criteo_tsv(tmp, args.synthetic_samples, config.table_sizes, seed=0, progress=stages)
+                stages.close()
                 os.replace(tmp, raw)
-            preprocess_criteo_kaggle(raw, out, config=config, train_fraction=0.9, val_fraction=0.1,
-                                     overwrite=True, workers=args.workers)
+            _preprocess(args, preprocess_criteo_kaggle, raw, out, config=config, train_fraction=0.9,
+                        val_fraction=0.1, overwrite=True)
         return out
     if args.data_dir is None:
         raise ValueError(f"--data {args.data} needs --data-dir (the directory of the raw files)")
@@ -195,22 +129,32 @@ def prepare_data(args, preset: RunPreset) -> Path:
     out = data_dir / "preprocessed"
     if args.data == "criteo-kaggle":
         raw = _require(data_dir / "train.txt", "Criteo Kaggle's train.txt (from dac.tar.gz) in --data-dir")
-        preprocess_criteo_kaggle(raw, out, workers=args.workers)
+        _preprocess(args, preprocess_criteo_kaggle, raw, out)
     elif args.data == "criteo-1tb":
         days = sorted((p for p in data_dir.glob("day_*") if p.is_file()),
                       key=lambda p: int("".join(c for c in p.name.split(".")[0] if c.isdigit()) or 0))
         if len(days) < 2:
             raise FileNotFoundError(f"{str(data_dir / 'day_*')!r}: found {len(days)} day files; expected the "
                                     "Criteo 1TB days day_0 .. day_23 (plain or .gz), at least two")
-        preprocess_criteo_1tb(days, out, workers=args.workers)
+        _preprocess(args, preprocess_criteo_1tb, days, out)
     elif args.data == "avazu":
         raws = [data_dir / "train.csv", data_dir / "train.gz", data_dir / "train.csv.gz"]
         raw = next((p for p in raws if p.is_file()), None)
         if raw is None:
             raise FileNotFoundError(f"{str(raws[0])!r} not found; expected Avazu's train.csv (or train.gz) "
                                     "in --data-dir")
-        preprocess_avazu(raw, out, workers=args.workers)
+        _preprocess(args, preprocess_avazu, raw, out)
     return out
+
+
+def _preprocess(args, fn, raw, out: Path, **kwargs) -> None:
+    what = f"{len(raw)} day files" if isinstance(raw, list) else str(raw)
+    progress.say(args, f"data: preprocessing {what} into {out} (once; later runs reuse it)")
+    stages = progress.StageProgress(args)
+    try:
+        fn(raw, out, workers=args.workers, progress=stages, **kwargs)
+    finally:
+        stages.close()
 
 
 def iterate(split: PreprocessedSplit, args, epoch: int, start: int, limit: int | None):
@@ -274,7 +218,7 @@ def size_caches(args, config: DLRMConfig, sparse_opt, data_dir: Path) -> sizing.
                        batch_size=args.batch_size, limit_batches=args.limit_batches, shuffle=True, seed=args.seed,
                        epoch=0, id_freq="auto")
     if not args.quiet and getattr(args, "rank", 0) == 0:
-        print(plan.format_table(), flush=True)
+        print(plan.format_table(), file=sys.stderr, flush=True)  # stdout: the result only
     return plan
 
 
@@ -424,11 +368,7 @@ class Logger:
             self.tb.close()
 
 
-def hit_rate(stats: dict) -> float:
-    """Share of each batch's distinct ids served without a host->device row transfer. Counts rows moved
-    (rows_in), not per-batch misses, so window admissions under prefetch are not hidden."""
-    unique = stats.get("unique", 0)
-    return 1.0 - stats.get("rows_in", 0) / unique if unique else float("nan")
+hit_rate = report.hit_rate  # (here since the recipe's first version)
 
 
 def maybe_prefetch(batches, model, args):
@@ -465,7 +405,7 @@ def evaluate(model: DLRM, split: PreprocessedSplit, args) -> dict:
     total = total if args.eval_batches is None else min(args.eval_batches, total)
     rounds = max(1, math.ceil(total / world))
     got_probs, got_labels = [], []
-    for r in range(rounds):
+    for r in progress.bar(args, range(rounds), desc="eval", unit=" batches"):
         batch = batches[r] if r < len(batches) else None
         if batch is None:
             dense = torch.zeros(0, _inner(model).config.num_dense)
@@ -496,13 +436,11 @@ def evaluate(model: DLRM, split: PreprocessedSplit, args) -> dict:
 
 
 def train(model: DLRM, dense_opt, split: PreprocessedSplit, args, position: dict, logger: Logger) -> dict:
-    from tqdm import tqdm
-
     device = torch.device(args.device)
     per_epoch = split.num_batches(args.batch_size)
     if args.limit_batches is not None:
         per_epoch = min(per_epoch, args.limit_batches)
-    quiet = args.quiet or not sys.stderr.isatty()
+    lines = progress.lines_on(args)  # no bar (stderr not a terminal): a progress line every --log-every steps
     world, rank = getattr(args, "world", 1), getattr(args, "rank", 0)
     step, samples, loss_sum, loss_n = position["step"], 0, 0.0, 0
     window_start, window_samples = time.perf_counter(), 0
@@ -517,8 +455,9 @@ def train(model: DLRM, dense_opt, split: PreprocessedSplit, args, position: dict
         if world > 1:
             source = itertools.islice(source, rank, None, world)
         batches = maybe_prefetch(source, model, args)
-        bar = tqdm(batches, total=local_steps, desc=f"epoch {epoch}", disable=quiet or rank != 0, leave=False)
-        t0 = time.perf_counter()
+        bar = progress.bar(args, batches, total=local_steps, desc=f"epoch {epoch + 1}/{args.epochs}",
+                           unit=" steps")
+        t0, first_step = time.perf_counter(), step
         for k, batch in enumerate(bar):
             consumed = start + (k + 1) * world
             scale = args.lr_schedule.scale(step + 1)
@@ -540,10 +479,10 @@ def train(model: DLRM, dense_opt, split: PreprocessedSplit, args, position: dict
                 sps = window_samples / max(now - window_start, 1e-9)
                 rate = hit_rate(_inner(model).sparse_arch.cache_stats())
                 logger.log(step, epoch, loss_sum / loss_n, rate, sps)
-                bar.set_postfix(loss=f"{loss_sum / loss_n:.4f}", hit=f"{rate:.3f}", sps=f"{sps:.0f}")
-                if quiet and not args.quiet and rank == 0:
-                    print(f"step {step} epoch {epoch} loss {loss_sum / loss_n:.4f} hit_rate {rate:.3f} "
-                          f"samples/s {sps:.0f}", flush=True)
+                bar.set_postfix_str(f"loss {loss_sum / loss_n:.4f}, hit rate {rate:.3f}, {sps:,.0f} samples/s")
+                if lines:
+                    print(progress.step_line(epoch, args.epochs, k + 1, local_steps, now - t0, loss_sum / loss_n,
+                                             rate, sps), file=sys.stderr, flush=True)
                 window_start, window_samples, loss_sum, loss_n = now, 0, 0.0, 0
             if args.checkpoint_every and step % args.checkpoint_every == 0:
                 nxt = {"epoch": epoch, "batch": consumed, "step": step}
@@ -558,17 +497,22 @@ def train(model: DLRM, dense_opt, split: PreprocessedSplit, args, position: dict
                 break
         bar.close()
         train_time += time.perf_counter() - t0
+        if lines:
+            print(f"epoch {epoch + 1}/{args.epochs}: {step - first_step} steps in "
+                  f"{progress.clock(time.perf_counter() - t0)}", file=sys.stderr, flush=True)
         if stopped:
             break
     stats = _inner(model).sparse_arch.cache_stats()
-    # Job-wide figures: samples and cache counters summed over ranks, time of the slowest rank.
-    samples, rows_in, unique = (int(v) for v in _all_sum([samples, stats.get("rows_in", 0),
-                                                          stats.get("unique", 0)], args))
+    # Job-wide figures: samples and cache counters summed over ranks, time of the slowest rank, the hit rate
+    # weighted by each rank's distinct ids.
+    rate, unique = hit_rate(stats), stats.get("unique", 0)
+    samples, rows_in, unique, hits = _all_sum([samples, stats.get("rows_in", 0), unique,
+                                               rate * unique if unique else 0.0], args)
     train_time = _all_max(train_time, args)
-    return {"steps": step, "train_samples": samples, "train_time_s": train_time,
+    return {"steps": step, "epochs": args.epochs, "train_samples": int(samples), "train_time_s": train_time,
             "samples_per_s": samples / train_time if train_time > 0 else float("nan"),
-            "cache_hit_rate": hit_rate({"rows_in": rows_in, "unique": unique}), "stopped_early": stopped,
-            "world_size": world}
+            "cache_hit_rate": rate if world == 1 else (hits / unique if unique else float("nan")),
+            "cache_rows_in": int(rows_in), "stopped_early": stopped, "world_size": world}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -638,7 +582,7 @@ def _train_and_evaluate(args, model, dense_opt, train_split, val_split) -> dict:
     if not math.isnan(metrics["cache_hit_rate"]):
         metrics["cache_hit_rate"] = round(metrics["cache_hit_rate"], 6)
     if args.rank == 0:
-        print(json.dumps(metrics, sort_keys=False))
+        report.publish(metrics, args.metrics_file)
     return metrics
 
 

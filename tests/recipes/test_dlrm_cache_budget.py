@@ -9,7 +9,7 @@ pytest.importorskip("tqdm")
 
 from cachedemb.recipes.dlrm import main as dlrm_main  # noqa: E402
 
-COMMON = ["--synthetic-rows", "30000", "--embedding-dim", "8", "--batch-size", "512", "--quiet", "--device", "cpu",
+COMMON = ["--synthetic-samples", "30000", "--embedding-dim", "8", "--batch-size", "512", "--quiet", "--device", "cpu",
           "--epochs", "1", "--eval-batches", "1"]
 
 
@@ -29,9 +29,10 @@ def test_cache_budget_sizes_the_caches_and_predicts_the_hit_rate(data_dir, prefe
     assert measured == pytest.approx(predicted, rel=0.02)
 
 
-def test_cache_budget_is_single_process():
+def test_cache_budget_is_single_process(capsys):
     args = types.SimpleNamespace(world=2)
     with pytest.raises(ValueError, match="under torchrun use --cache-ratio"):
         dlrm_main.size_caches(args, None, None, None)
-    with pytest.raises(ValueError, match="not a byte size"):
+    with pytest.raises(SystemExit) as bad:
         dlrm_main.parse_args(["--cache-budget", "lots"])
+    assert bad.value.code == 2 and "--cache-budget: expected a byte size" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from cachedemb.distributed.testing import run_spawned  # noqa: E402
 from cachedemb.recipes.dlrm import main as dlrm_main  # noqa: E402
 
 BATCH = 128
-COMMON = ["--synthetic-rows", "4000", "--embedding-dim", "4", "--batch-size", str(BATCH), "--quiet",
+COMMON = ["--synthetic-samples", "4000", "--embedding-dim", "4", "--batch-size", str(BATCH), "--quiet",
           "--cache-ratio", "0.05", "--device", "cpu", "--optimizer", "adagrad", "--eval-batches", "3",
           "--limit-batches", "4"]
 

@@ -10,7 +10,7 @@ from cachedemb.recipes.dlrm import main as dlrm_main  # noqa: E402
 
 ROWS = 100_000
 # Small and fast: dim 8, batch 1024, 1% cache; one epoch over 90k train rows reaches AUC ~0.74 (oracle 0.79).
-COMMON = ["--synthetic-rows", str(ROWS), "--embedding-dim", "8", "--batch-size", "1024", "--quiet",
+COMMON = ["--synthetic-samples", str(ROWS), "--embedding-dim", "8", "--batch-size", "1024", "--quiet",
           "--cache-ratio", "0.01", "--device", "cpu"]
 
 
@@ -97,7 +97,7 @@ def test_prefetch_gives_the_same_training(data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("host_mb", ["1", "32"], ids=["in_place", "log"])
-def test_table_dir_trains_as_in_memory_and_resumes(data_dir, tmp_path, host_mb):
+def test_table_dir_trains_as_in_memory_and_resumes(data_dir, tmp_path, host_mb, capsys):
     """--table-dir keeps the 26 tables in files behind a 1 MiB host cache (the larger tables written in place: a
     log's row map would take over a quarter of their share) or a 32 MiB one (every table a log): a run stopped
     after step 8 and resumed from its step-6 checkpoint (the snapshots it names) ends with the in-memory run's
@@ -108,8 +108,9 @@ def test_table_dir_trains_as_in_memory_and_resumes(data_dir, tmp_path, host_mb):
     part = run + ["--checkpoint-dir", str(tmp_path / "part"), "--table-dir", str(tmp_path / "t2"),
                   "--host-cache-mb", host_mb]
     dlrm_main.main(part + ["--checkpoint-every", "3", "--stop-after-steps", "8"])
-    with pytest.raises(ValueError, match="already holds table files"):
+    with pytest.raises(SystemExit) as refused:  # an argparse error, before any work
         dlrm_main.main(part)
+    assert refused.value.code == 2 and "already holds table files" in capsys.readouterr().err
     resumed = dlrm_main.main(part + ["--resume"])
     assert resumed["steps"] == 12 and (resumed["auc"], resumed["logloss"]) == (memory["auc"], memory["logloss"])
     a, b = _final_model(tmp_path / "mem"), _final_model(tmp_path / "part")

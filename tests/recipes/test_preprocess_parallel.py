@@ -49,6 +49,10 @@ def test_parallel_output_equals_serial(days, tmp_path, workers):
     par = preprocess_criteo_1tb(days, tmp_path / "par", config=CFG, chunk_rows=128, workers=workers,
                                 split_bytes=5000)
     assert _files(serial) == _files(par)
+    seen = []  # with a progress callback the units are polled (futures, a shared row counter): the same bytes
+    watched = preprocess_criteo_1tb(days, tmp_path / "watched", config=CFG, chunk_rows=128, workers=workers,
+                                    split_bytes=5000, progress=lambda *a: seen.append(a))
+    assert _files(serial) == _files(watched) and ("parsing", 3100, 3100, "samples") in seen
 
 
 def test_parallel_kaggle_single_file_and_avazu_equal_serial(days, tmp_path):
@@ -68,11 +72,12 @@ def test_parallel_names_the_same_bad_line_and_leaves_nothing(days, tmp_path):
     lines[555] = lines[555].replace(b"\t", b"\tzz", 1)
     bad.write_bytes(b"\n".join(lines))
     errors = []
-    for workers in (1, 2):
+    for workers, progress in ((1, None), (2, None), (2, lambda *a: None)):  # (a progress callback polls the units)
         with pytest.raises(ValueError) as info:
-            preprocess_criteo_1tb([days[0], bad], tmp_path / "out", config=CFG, workers=workers, split_bytes=4000)
+            preprocess_criteo_1tb([days[0], bad], tmp_path / "out", config=CFG, workers=workers, split_bytes=4000,
+                                  progress=progress)
         errors.append(str(info.value))
-    assert errors[0] == errors[1] and "line 556: field I1" in errors[0]
+    assert errors[0] == errors[1] == errors[2] and "line 556: field I1" in errors[0]
     assert sorted(os.listdir(tmp_path)) == ["day_2"]
 
 

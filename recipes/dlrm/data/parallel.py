@@ -33,6 +33,7 @@ from .transform import count_into, dense_transform  # the serial pass's own func
 #: Target bytes per unit of a plain file: big enough to amortize a task, small enough to balance workers.
 DEFAULT_SPLIT_BYTES = 64 << 20
 _FREQ_BLOCK_ROWS = 1 << 18
+_rows_written = None  # in a worker of pool(workers, row_counter): that shared counter (progress), else None
 
 _FORMATS = {  # raw_format -> (separator, fields per line, layout words for errors, decoder)
     "criteo_tsv": (b"\t", CRITEO_NUM_FIELDS, "tab-separated (label, I1..I13, C1..C26)", _decode_criteo),
@@ -182,6 +183,9 @@ def fill_unit(task: FillTask) -> int:
             s_arr[lo - base: hi - base] = sparse[a:b]
             l_arr[lo - base: hi - base] = chunk.labels[a:b]
         pos += n
+        if _rows_written is not None:
+            with _rows_written.get_lock():
+                _rows_written.value += n
     for arrs in arrays.values():
         for arr in arrs:
             arr.flush()
@@ -200,10 +204,28 @@ def count_features(args: tuple[str, str, tuple[int, ...], tuple[int, ...]]) -> N
     freq.flush()
 
 
-def pool(workers: int) -> ProcessPoolExecutor:
+def _context():
     # fork: workers run numpy-only code and start in milliseconds (spawn would re-import torch per worker).
-    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    return ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+
+
+def row_counter():
+    """A count shared with the workers of `pool(workers, row_counter)`: the rows fill_unit has written so far,
+    so the parent can report progress inside units (a unit is ~split_bytes, the whole file of a small data set)."""
+    return _context().Value("q", 0)
+
+
+def _share_row_counter(counter) -> None:
+    global _rows_written
+    _rows_written = counter
+
+
+def pool(workers: int, row_counter=None) -> ProcessPoolExecutor:
+    """`workers` processes; with `row_counter` (from row_counter()) fill_unit adds the rows it writes to it."""
+    if row_counter is None:
+        return ProcessPoolExecutor(max_workers=workers, mp_context=_context())
+    return ProcessPoolExecutor(max_workers=workers, mp_context=_context(), initializer=_share_row_counter,
+                               initargs=(row_counter,))
 
 
 def balance_features(table_sizes: Sequence[int], workers: int) -> list[tuple[int, ...]]:

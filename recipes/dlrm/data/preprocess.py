@@ -14,7 +14,9 @@ from the page cache. Files are streamed chunk by chunk (a first pass only counts
 lines) and written into a temporary sibling directory that is renamed into place at
 the end, so a failure (e.g. a malformed line) leaves nothing partial behind. With
 ``workers`` > 1 both passes run in worker processes over line-aligned units of the
-inputs (:mod:`.parallel`), writing the same bytes.
+inputs (:mod:`.parallel`), writing the same bytes. ``progress(stage, done, total, unit)``, when given, hears
+of each finished piece of the three stages ("counting lines" in bytes, "parsing" in samples, "counting ids" in
+tables; the last only with workers > 1, the serial pass counts while it parses); nothing here prints.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import math
 import os
 import shutil
 import tempfile
+from concurrent.futures import FIRST_EXCEPTION, wait
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -40,6 +43,7 @@ from .criteo import (
     open_binary,
     read_criteo_tsv,
 )
+from .synthetic import Progress  # progress(stage, done, total, unit), shared with the generators
 from .transform import DENSE_TRANSFORM, count_into, dense_transform
 
 __all__ = [
@@ -103,6 +107,7 @@ def preprocess_files(
     overwrite: bool = False,
     workers: int | None = None,
     split_bytes: int = parallel.DEFAULT_SPLIT_BYTES,
+    progress: Progress | None = None,
 ) -> Path:
     """Preprocess ``inputs`` (read in order, as one stream of rows) into ``out_dir``.
 
@@ -111,6 +116,7 @@ def preprocess_files(
     and must cover it exactly. Returns ``out_dir`` as a ``Path``.
     ``workers`` processes parse in parallel (default: all cores; 1 = this process alone), plain files cut
     into ~``split_bytes`` units (see :mod:`.parallel`); the output is the same bytes for any ``workers``.
+    ``progress``: see the module docstring.
     """
     _check_config(config)
     workers = parallel.default_workers() if workers is None else workers
@@ -126,21 +132,39 @@ def preprocess_files(
     if out.exists() and not overwrite:
         raise FileExistsError(f"preprocess_files: output {str(out)!r} exists; pass overwrite=True to replace it")
     header = _HEADER_LINES[config.raw_format]
-    executor = parallel.pool(workers) if workers > 1 else None
+    counter = parallel.row_counter() if workers > 1 and progress is not None else None
+    executor = parallel.pool(workers, counter) if workers > 1 else None
     try:
-        return _preprocess(inputs, out, config, plan, chunk_rows, header, executor, workers, split_bytes)
+        return _preprocess(inputs, out, config, plan, chunk_rows, header, executor, workers, split_bytes,
+                           progress or _no_progress, counter)
     finally:
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
 
 
-def _preprocess(inputs, out, config, plan, chunk_rows, header, executor, workers, split_bytes) -> Path:
+def _no_progress(stage: str, done: int, total: int, unit: str) -> None:
+    pass
+
+
+def _preprocess(inputs, out, config, plan, chunk_rows, header, executor, workers, split_bytes, progress,
+                counter) -> Path:
+    file_bytes = [p.stat().st_size for p in inputs]
+    total_bytes, done_bytes = sum(file_bytes), 0
+    progress("counting lines", 0, total_bytes, "B")
     if executor is None:
-        rows_per_file = [max(count_lines(p) - header, 0) for p in inputs]
+        rows_per_file = []
+        for p, size in zip(inputs, file_bytes):
+            rows_per_file.append(max(count_lines(p) - header, 0))
+            done_bytes += size
+            progress("counting lines", done_bytes, total_bytes, "B")
     else:
         units = parallel.plan_units(inputs, header, split_bytes)
         flat = [u for file_units in units for u in file_units]
-        unit_rows = list(executor.map(parallel.count_unit, flat))
+        unit_rows = []
+        for u, rows in zip(flat, executor.map(parallel.count_unit, flat)):
+            unit_rows.append(rows)
+            done_bytes += (u.end if u.end is not None else os.path.getsize(u.path)) - u.start
+            progress("counting lines", done_bytes, total_bytes, "B")
         per_file = np.cumsum([0] + [len(u) for u in units])
         rows_per_file = [int(sum(unit_rows[a:b])) for a, b in zip(per_file[:-1], per_file[1:])]
     total = sum(rows_per_file)
@@ -167,8 +191,10 @@ def _preprocess(inputs, out, config, plan, chunk_rows, header, executor, workers
         }
         freq = _new_array(tmp, _ID_FREQ, np.int64, (int(offsets[-1]),))
         np.save(tmp / _ID_FREQ_OFFSETS, offsets)
+        progress("parsing", 0, total, "samples")
         if executor is not None:
-            _fill_parallel(executor, workers, flat, unit_rows, tmp, config, bounds, offsets, chunk_rows, header)
+            _fill_parallel(executor, workers, flat, unit_rows, tmp, config, bounds, offsets, chunk_rows, header,
+                           progress, counter)
         read = _READERS[config.raw_format]
         pos = 0  # global row index of the next row
         for path, expected in zip(inputs if executor is None else [], rows_per_file):
@@ -191,6 +217,7 @@ def _preprocess(inputs, out, config, plan, chunk_rows, header, executor, workers
                             count_into(freq[offsets[f] : offsets[f + 1]], sparse[a:b, f], int(sizes[f]))
                 pos += n
                 seen += n
+                progress("parsing", pos, total, "samples")
             if seen != expected:
                 raise RuntimeError(f"preprocess_files: {str(path)!r} had {expected} data lines when counted "
                                    f"but {seen} when read; was it modified during preprocessing?")
@@ -229,8 +256,9 @@ def _preprocess(inputs, out, config, plan, chunk_rows, header, executor, workers
 
 
 def _fill_parallel(executor, workers: int, units, unit_rows, tmp: Path, config: DatasetConfig, bounds, offsets,
-                   chunk_rows: int, header: int) -> None:
-    """Rows by unit (each worker writes its own rows), then train id counts by feature group."""
+                   chunk_rows: int, header: int, progress: Progress, counter) -> None:
+    """Rows by unit (each worker writes its own rows), then train id counts by feature group. `counter` (or None):
+    the workers' shared count of rows written, polled for progress while the units run."""
     tasks, row, line = [], 0, 1
     for unit, rows in zip(units, unit_rows):
         line = 1 if unit.start == 0 else line  # a new file starts at line 1
@@ -238,17 +266,31 @@ def _fill_parallel(executor, workers: int, units, unit_rows, tmp: Path, config: 
                                        str(tmp), tuple(int(b) for b in bounds), SPLITS,
                                        tuple(int(s) for s in config.table_sizes), chunk_rows))
         row, line = row + rows, line + rows + (header if unit.skip_header else 0)
-    for task, rows, written in zip(tasks, unit_rows, executor.map(parallel.fill_unit, tasks)):
+    total = int(bounds[-1])
+    futures = [executor.submit(parallel.fill_unit, task) for task in tasks]
+    pending = set(futures)
+    while pending and counter is not None:
+        done, pending = wait(pending, timeout=0.25, return_when=FIRST_EXCEPTION)
+        progress("parsing", min(counter.value, total), total, "samples")
+        if any(f.exception() is not None for f in done):
+            break  # raised below, in unit order
+    for task, rows, future in zip(tasks, unit_rows, futures):
+        written = future.result()
         if written != rows:
             raise RuntimeError(f"preprocess_files: {task.unit.path!r} bytes {task.unit.start}..{task.unit.end} had "
                                f"{rows} data lines when counted but {written} when read; was it modified during "
                                "preprocessing?")
+    progress("parsing", total, total, "samples")
     n_train = int(bounds[1] - bounds[0])
     if n_train:
         groups = parallel.balance_features(config.table_sizes, workers)
         jobs = [(str(tmp / "train_sparse.npy"), str(tmp / _ID_FREQ), g, tuple(int(o) for o in offsets))
                 for g in groups]
-        list(executor.map(parallel.count_features, jobs))
+        progress("counting ids", 0, config.num_cat, "tables")
+        tables = 0
+        for job, _ in zip(jobs, executor.map(parallel.count_features, jobs)):
+            tables += len(job[2])
+            progress("counting ids", tables, config.num_cat, "tables")
 
 
 def _check_fractions(train_fraction: float, val_fraction: float) -> None:
@@ -282,12 +324,13 @@ def preprocess_criteo_kaggle(
     overwrite: bool = False,
     workers: int | None = None,
     split_bytes: int = parallel.DEFAULT_SPLIT_BYTES,
+    progress: Progress | None = None,
 ) -> Path:
     """Kaggle convention: the 7 days of ``train.txt`` in order; the first 6/7 of lines are
     train, the last 1/7 is split in half, val then test (the rest after val is test)."""
     return preprocess_files([train_txt], out_dir, config, _fraction_plan(train_fraction, val_fraction),
                             chunk_rows=chunk_rows, overwrite=overwrite, workers=workers,
-                            split_bytes=split_bytes)
+                            split_bytes=split_bytes, progress=progress)
 
 
 def preprocess_criteo_1tb(
@@ -300,6 +343,7 @@ def preprocess_criteo_1tb(
     overwrite: bool = False,
     workers: int | None = None,
     split_bytes: int = parallel.DEFAULT_SPLIT_BYTES,
+    progress: Progress | None = None,
 ) -> Path:
     """1TB convention: ``day_files`` in day order; all but the last are train, the last day
     is split into val (first ``val_fraction_of_last_day`` of it) and test.
@@ -316,7 +360,7 @@ def preprocess_criteo_1tb(
 
     return preprocess_files(day_files, out_dir, config or criteo_1tb(), plan,
                             chunk_rows=chunk_rows, overwrite=overwrite, workers=workers,
-                            split_bytes=split_bytes)
+                            split_bytes=split_bytes, progress=progress)
 
 
 def preprocess_avazu(
@@ -330,12 +374,13 @@ def preprocess_avazu(
     overwrite: bool = False,
     workers: int | None = None,
     split_bytes: int = parallel.DEFAULT_SPLIT_BYTES,
+    progress: Progress | None = None,
 ) -> Path:
     """Avazu: rows in file (time) order; first ``train_fraction`` train, next
     ``val_fraction`` val, the rest test."""
     return preprocess_files([csv_path], out_dir, config, _fraction_plan(train_fraction, val_fraction),
                             chunk_rows=chunk_rows, overwrite=overwrite, workers=workers,
-                            split_bytes=split_bytes)
+                            split_bytes=split_bytes, progress=progress)
 
 
 def load_metadata(data_dir: str | os.PathLike) -> dict:

@@ -12,7 +12,9 @@ of weights is ever stored) and missing ids have weight 0.
 
 Output depends only on the arguments (including ``seed``): rows are generated in
 fixed blocks of :data:`BLOCK_ROWS`, each from its own seeded RNG, and written out
-block by block, so memory stays bounded for any ``num_rows``.
+block by block, so memory stays bounded for any ``num_rows``. ``progress(stage, done, total, unit)``, when
+given, is called at the start and after each block (the recipe draws its progress bar from it; nothing here
+prints).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -28,8 +30,12 @@ from .avazu import AVAZU_HEADER, splitmix64
 from .configs import AVAZU_APPROX_CARDINALITIES, AVAZU_HASHED_COLUMNS, SYNTHETIC_CRITEO
 from .criteo import CRITEO_NUM_CAT, CRITEO_NUM_DENSE
 
+#: progress(stage, done, total, unit): `done` of `total` units of `stage` finished so far.
+Progress = Callable[[str, int, int, str], None]
+
 __all__ = [
     "BLOCK_ROWS",
+    "Progress",
     "SYNTHETIC_AVAZU_CARDINALITIES",
     "AVAZU_DECIMAL_COLUMNS",
     "PlantedSignal",
@@ -199,6 +205,7 @@ def write_criteo_tsv(
     bias: float = -1.2,
     cat_scale: float = 1.5,
     dense_scale: float = 0.5,
+    progress: Progress | None = None,
 ) -> PlantedSignal:
     """Write ``num_rows`` Criteo-format lines (label, 13 dense, 26 hex categoricals).
 
@@ -215,6 +222,8 @@ def write_criteo_tsv(
     if max(cardinalities) > 2**32:
         raise ValueError(f"write_criteo_tsv: max cardinality {max(cardinalities)}; expected <= 2**32 (8 hex digits)")
     signal = PlantedSignal(tuple(cardinalities), CRITEO_NUM_DENSE, int(seed), bias, cat_scale, dense_scale)
+    if progress is not None:
+        progress("generating", 0, num_rows, "samples")
     with open(os.fspath(path), "wb") as f:
         for b, n in _blocks(num_rows):
             rng = np.random.default_rng([int(seed), 0, b])
@@ -230,6 +239,8 @@ def write_criteo_tsv(
             cols += [dense_s[:, j].tolist() for j in range(CRITEO_NUM_DENSE)]
             cols += [cats_s[:, j].tolist() for j in range(CRITEO_NUM_CAT)]
             _emit(f, b"\t", cols)
+            if progress is not None:
+                progress("generating", b * BLOCK_ROWS + n, num_rows, "samples")
     return signal
 
 
@@ -245,6 +256,7 @@ def write_avazu_csv(
     num_days: int = 10,
     bias: float = -1.6,
     cat_scale: float = 1.5,
+    progress: Progress | None = None,
 ) -> PlantedSignal:
     """Write an Avazu-format CSV (header + ``num_rows`` lines).
 
@@ -269,6 +281,8 @@ def write_avazu_csv(
     ncol = len(AVAZU_HASHED_COLUMNS)
     # Hour-of-day rides along as feature 22 so the derived categoricals carry signal too.
     signal = PlantedSignal(tuple(cardinalities) + (25,), 0, int(seed), bias, cat_scale, 0.0)
+    if progress is not None:
+        progress("generating", 0, num_rows, "samples")
     with open(os.fspath(path), "wb") as f:
         f.write(AVAZU_HEADER.encode() + b"\n")
         for b, n in _blocks(num_rows):
@@ -291,4 +305,6 @@ def write_avazu_csv(
                 text = ids[:, j].astype(np.bytes_) if name in AVAZU_DECIMAL_COLUMNS else _hex8(ids[:, j])
                 cols.append(np.where(ids[:, j] == 0, b"", text).tolist())
             _emit(f, b",", cols)
+            if progress is not None:
+                progress("generating", b * BLOCK_ROWS + n, num_rows, "samples")
     return signal
