@@ -196,6 +196,9 @@ class EmbeddingCache:
         # hand-off whose ids differed): nonzero means a forward's ids are not those prefetched for it. Summed on
         # the device; the pipeline reads it without a sync and warns.
         self.unread_ahead = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # False behind a layer that maps ids to this cache's rows (raw ids, a host tier): its forwards may miss
+        # inside a window for reasons of its own, and the layer compares the ids itself.
+        self.window_misses_mean_other_ids = True
         self._windows: list[torch.Tensor] = []  # slots (loc_u) of the prefetch windows protected now
         self._window_active = False  # an admitted window is protected (activate_window .. the next drop)
         self.table_starts = self.table_ranks = None  # set_tables(): per-table ranks for the policies
@@ -377,7 +380,8 @@ class EmbeddingCache:
             return self._prepare_device(ids, padding_idx, train, start, admit=not in_window)
         offered = ahead
         ahead = take_ahead(ahead, ids, padding_idx, self.slot_ids)
-        if ahead is None and offered is not None and offered.ids.shape == ids.shape and padding_idx is None:
+        if ahead is None and offered is not None and train and offered.ids.shape == ids.shape and \
+                padding_idx is None and self.window_misses_mean_other_ids:
             self.unread_ahead += 1  # the same number of lookups as read ahead, other ids (take_ahead compared them)
         uniq, inverse, counts, n_uniq, groups = (ahead[0] if ahead else
                                                  kernels.unique_ids(ids, padding_idx, return_groups=True,
@@ -391,7 +395,7 @@ class EmbeddingCache:
         else:
             self.settle()  # misses may read host rows that a window transfer in flight writes back
             loc_u, live, n_hit, n_miss, _ = self._place(uniq, n_uniq, self.policy)
-            if in_window:
+            if in_window and train and self.window_misses_mean_other_ids:
                 self.unread_ahead += n_miss.reshape(1)
         c = place_native.native()
         lookups = None if c is None else place_native.count_uses(
@@ -427,8 +431,8 @@ class EmbeddingCache:
                                                           counts=counts, train=train, count_lookups=True, admit=admit)
         if admit:
             self._move_rows(RowMove(*move), add=bufs.add if train else None)
-        else:  # inside an admitted window every id was read ahead: a miss means the forward's ids differ
-            self.unread_ahead.add_(n_miss)
+        elif train and self.window_misses_mean_other_ids:  # every id of the window was read ahead: a miss means
+            self.unread_ahead.add_(n_miss)                    # the forward's ids differ
         plan = BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation, groups, bufs.bag)
         return self._finish_prepare(plan, train, start)
 

@@ -212,6 +212,7 @@ class DynamicEmbeddingBag(nn.Module):
                                    _freeze=optimizer is None, optimizer=optimizer,
                                    cache_ratio=cache_ratio, cache_rows=cache_rows, **cache_kwargs)
         object.__setattr__(self, "inner", inner)  # not a child: state_dict is keyed by raw id (below)
+        inner.cache.window_misses_mean_other_ids = False  # rows are remapped (admission, eviction) for its own reasons
         self.index = IdIndex(size=4 * cap)
         self.row_ids = torch.zeros(slab, dtype=torch.int64)  # raw id of each slab row (any int64: no sentinel)
         self.row_slot = torch.full((slab,), -1, dtype=torch.int64)  # its index slot; -1: no admitted id
@@ -290,6 +291,7 @@ class DynamicEmbeddingBag(nn.Module):
                 return rows
             # Not the batch read ahead: the read-ahead batches were abandoned (their ids stay counted).
             self.ahead.clear()
+            self.inner.cache.unread_ahead += 1  # cachedemb.prefetch warns: other ids than the ones read ahead
         self._done_below(self.step + 1)
         return self._rows(flat, train=True)
 

@@ -226,6 +226,7 @@ class FileBackedEmbeddingBag(nn.Module):
         inner.optimizer_step = int(self.table.snapshots[self.table.newest_seq][0].meta.get("optimizer_step", 0))
         self.host = HostRowCache(self.table, inner, rows, first=1)
         inner.cache.host_fence = self.host.fence
+        inner.cache.window_misses_mean_other_ids = False  # slab rows move for the host tier's own reasons
         self.seq = 0  # sequence number of the next training batch
         self.ahead: deque[ReadAheadBatch] = deque()  # the batches read ahead, in training order
         # Closed (flushed, committed, released) by close(), when the module is collected, or at exit.
@@ -352,6 +353,7 @@ class FileBackedEmbeddingBag(nn.Module):
                 inner = entry.inner_unique if entry.rows is not None else None
                 return rows, entry.distinct.inverse, inner
             self._drop_ahead(keep=0)  # not the batch read ahead: the read-ahead batches are abandoned
+            self.inner.cache.unread_ahead += 1  # cachedemb.prefetch warns: other ids than the ones read ahead
         batch = distinct(flat if keep is None else flat[keep], bound=self.num_embeddings)
         if not train:
             return host.map(batch.ids, None, grow=True, now=True), batch.inverse, None
