@@ -11,21 +11,14 @@ both.
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from .native import CFunctions
+from .native import Helper
 
-enabled = True  # False: the torch code (tests switch it)
 _BUMP = getattr(torch.autograd.graph, "increment_version", None)
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
-_C = CFunctions(Path(__file__).with_name("host_rows.c"),
-                {"cemb_copy_rows": ([_P, _I64, _P, _P, _I64, _P, _I64, _I64], None)})
-
-
-def _native():
-    return _C.get() if enabled else None
+NATIVE = Helper("host_rows", {"cemb_copy_rows": ([_P, _I64, _P, _P, _I64, _P, _I64, _I64], None)})
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -36,7 +29,7 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 def copy_rows(src2: torch.Tensor, src_idx: torch.Tensor, dst2: torch.Tensor, dst_idx: torch.Tensor, n) -> bool:
     """dst2[dst_idx[i]] = src2[src_idx[i]] for the first n pairs with both indices in range (2-D tensors, rows
     along dim 0), in one C pass. Returns False, having done nothing, where the fast path does not apply."""
-    c = _native()
+    c = NATIVE.get()
     if (c is None or _BUMP is None or src2.device.type != "cpu" or dst2.device.type != "cpu"
             or src_idx.device.type != "cpu" or dst_idx.device.type != "cpu" or src2.dtype != dst2.dtype
             or src2.dim() != 2 or dst2.dim() != 2 or src2.shape[1] != dst2.shape[1]

@@ -14,25 +14,22 @@ used: the same result every way (the tests compare them).
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from .native import CFunctions
+from .native import Helper
 
-enabled = True  # False: numpy sorts the packed keys (tests switch it)
 RADIX_MIN = 256  # fewer keys: numpy's sort (the radix passes' fixed cost is ~4k bins each)
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
-_C = CFunctions(Path(__file__).with_name("host_sort.c"),
-                {"cemb_radix_sort": ([_P, _I64, _I64, _I64, _I64, _P, _P], ctypes.c_int)})
+NATIVE = Helper("host_sort", {"cemb_radix_sort": ([_P, _I64, _I64, _I64, _I64, _P, _P], ctypes.c_int)})
 
 
 def _radix(keys: torch.Tensor, low: int, high: int, bits: int):
     """(values, perm) by the C radix sort, or None where it does not apply."""
     n = keys.numel()
     kbits = (high - low).bit_length()
-    c = _C.get() if enabled and n >= RADIX_MIN and kbits <= 48 else None
+    c = NATIVE.get() if n >= RADIX_MIN and kbits <= 48 else None
     if c is None:
         return None
     src = keys.to(torch.int64).contiguous()

@@ -211,8 +211,8 @@ def test_window_protection_count_is_kept_in_step_with_the_mask(depth, loops, mon
     from cachedemb.cache import place_native
 
     if loops == "torch":
-        monkeypatch.setattr(place_native, "enabled", False)
-    elif place_native.native() is None:
+        monkeypatch.setattr(place_native.NATIVE, "enabled", False)
+    elif place_native.NATIVE.get() is None:
         pytest.skip("no C compiler: the torch code runs")
     batches = zipf_batches(500, 30, bags=6, bag_len=5, seed=4)
     emb = make(cache_rows=120)
@@ -237,7 +237,7 @@ def test_a_snapshots_next_uses_are_taken_as_they_are_only_while_no_slot_changed(
     from cachedemb.cache.embedding_cache import SlotNextUse
     from cachedemb.cache.sync_mode import counts_on_host
 
-    monkeypatch.setattr(score_native, "enabled", native)
+    monkeypatch.setattr(score_native.NATIVE, "enabled", native)
     emb = cachedemb.CachedEmbeddingBag(100, 4, mode="sum", cache_rows=10, device="cpu", optimizer=optim.SGD(lr=0.1))
     emb(torch.arange(10), torch.tensor([0])).sum().backward()
     cache = emb.cache
@@ -262,7 +262,7 @@ def test_a_snapshots_next_uses_are_taken_as_they_are_only_while_no_slot_changed(
 def test_slot_uses_relative_are_the_first_uses_counted_from_now(native, monkeypatch):
     from cachedemb.prefetch import host_map
 
-    monkeypatch.setattr(host_map, "enabled", native)
+    monkeypatch.setattr(host_map.NATIVE, "enabled", native)
     g = np.random.default_rng(2)
     tracker = NextUseTracker(None, span=16)
     for b in range(12):

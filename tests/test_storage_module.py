@@ -431,9 +431,9 @@ def test_slab_unique_is_the_inner_forwards_unique_ids(monkeypatch, native):
     from cachedemb.storage import inner_unique
     from cachedemb.storage.host_cache import distinct
 
-    if native and inner_unique._C.get() is None:
+    if native and inner_unique.NATIVE.get() is None:
         pytest.skip("no C compiler: the torch code runs")
-    monkeypatch.setattr(inner_unique, "enabled", native)
+    monkeypatch.setattr(inner_unique.NATIVE, "enabled", native)
     rng = np.random.default_rng(0)
     for trial in range(40):
         lookups, ids = int(rng.integers(2, 3000)), int(rng.integers(2, 5000))

@@ -343,7 +343,7 @@ def test_window_slots_above_the_bound_leave_the_pool(overlap, union, monkeypatch
     import numpy as np
 
     if union == "torch":
-        monkeypatch.setattr(pool_native, "enabled", False)
+        monkeypatch.setattr(pool_native.NATIVE, "enabled", False)
     rng = np.random.default_rng(3)
     p = np.arange(1, 20001, dtype=np.float64) ** -1.05
     p /= p.sum()

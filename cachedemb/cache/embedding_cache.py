@@ -384,7 +384,7 @@ class EmbeddingCache:
         else:
             self.settle()  # misses may read host rows that a window transfer in flight writes back
             loc_u, live, n_hit, n_miss, _ = self._place(uniq, n_uniq, self.policy)
-        c = place_native.native()
+        c = place_native.NATIVE.get()
         lookups = None if c is None else place_native.count_uses(
             c, loc_u, live, counts, inverse, self.dump, self.batch_counter, self.slot_freq, self.slot_last_use,
             self.host_freq, train)
@@ -708,7 +708,7 @@ class EmbeddingCache:
     def _set_protection(self, loc: torch.Tensor, value: bool):
         """Set the protection of a window's slots (host locations: the dump element) where counts are on the
         host; returns how many resident slots changed. One C pass where a compiler is at hand, else torch ops."""
-        c = place_native.native()
+        c = place_native.NATIVE.get()
         changed = None if c is None else place_native.set_protection(c, self.protected, loc, self.capacity, value)
         if changed is None:
             slots = self._resident_or_dump(loc)
@@ -780,7 +780,7 @@ class EmbeddingCache:
         cap = uniq.numel()
         early = self._early_exit()
         id_slot = self._use_map()
-        c = place_native.native() if dev.type == "cpu" else None
+        c = place_native.NATIVE.get() if dev.type == "cpu" else None
         if c is not None and place_native.fits(id_slot, self.protected, self.slot_ids, self.dirty, self.slot_last_use):
             placed = self._place_native(c, uniq, n_uniq, policy, transfer, id_slot, window, counter)
             if placed is not None:

@@ -12,16 +12,14 @@ the CPU: the torch union and the caller's separate steps.
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from cachedemb.kernels.native import CFunctions
+from cachedemb.kernels.native import Helper
 
-enabled = True  # False: the torch union (tests switch it)
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
-_C = CFunctions(Path(__file__).with_name("pool_native.c"), {
+NATIVE = Helper("pool_native", {
     "cemb_pool_union": ([_P, _I64, _P, _I64, _I64, _P, _P], _I64),
     "cemb_pool_rescore": ([_I64, _P, _I64, _P, _I64, _I64] + [_P] * 5 + [_I64, _I64] + [_P] * 6, None),
 })
@@ -30,7 +28,7 @@ _C = CFunctions(Path(__file__).with_name("pool_native.c"), {
 def union(pool: torch.Tensor, slots: torch.Tensor, capacity: int, mark: torch.Tensor) -> torch.Tensor | None:
     """pool (distinct slots in [0, capacity)) followed by the slots of `slots` in [0, capacity) not in it, each
     once; `mark` ([capacity] bool, all False, left so). None where the C pass does not apply."""
-    c = _C.get() if enabled else None
+    c = NATIVE.get()
     if c is None or any(t.device.type != "cpu" for t in (pool, slots, mark)) or mark.numel() < capacity:
         return None
     pool, slots = pool.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
@@ -59,7 +57,7 @@ def rescore(kind: int, pool: torch.Tensor, joined: torch.Tensor, capacity: int, 
     buffer for the union and scores (views of it come back, valid until its next use; the kept entries are
     copies): a caller re-scoring every batch keeps one instead of faulting in megabytes of fresh pages each
     time. `drop_protected`: protected entries leave the pool (VictimPool.choose says when that stays exact)."""
-    c = _C.get() if enabled else None
+    c = NATIVE.get()
     if c is None or kind is None:
         return None
     for t in (pool, joined, slot_ids, freq, last_use, next_use, protected, mark):

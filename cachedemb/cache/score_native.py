@@ -10,30 +10,24 @@ compiler or `enabled` False all score through the policy). The Triton backend ha
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
 from cachedemb.cache.policy import score_kernel
-from cachedemb.kernels.native import CFunctions
+from cachedemb.kernels.native import Helper
 
-enabled = True  # False: the policy's torch code (tests switch it)
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
-_C = CFunctions(Path(__file__).with_name("score_native.c"), {
+NATIVE = Helper("score_native", {
     "cemb_slot_score": ([_I64, _P, _I64, _I64] + [_P] * 6, None),
     "cemb_next_use": ([_P] * 3 + [_I64] + [_P], None),
 })
-
-
-def _native():
-    return _C.get() if enabled else None
 
 
 def kind(policy) -> int | None:
     """`policy`'s kind for the C passes (score_native.c, pool_native.c's re-scoring), or None: score with the policy
     (a user's policy, or the C scores switched off)."""
     kind = score_kernel(policy)
-    return kind if kind is not None and _native() is not None else None
+    return kind if kind is not None and NATIVE.get() is not None else None
 
 
 def score(policy, slots: torch.Tensor | None, protected: torch.Tensor, capacity: int, slot_ids: torch.Tensor,
@@ -41,7 +35,7 @@ def score(policy, slots: torch.Tensor | None, protected: torch.Tensor, capacity:
     """Scores of `slots` (None: all `capacity` slots) under per-entry `protected`, or None where the C loop does
     not apply (the caller scores with the policy)."""
     kind = score_kernel(policy)  # kernels/slot_score.py's SCORE_* kinds, which score_native.c takes too
-    c = _native() if kind is not None else None
+    c = NATIVE.get() if kind is not None else None
     if c is None or protected.device.type != "cpu" or protected.dtype != torch.bool:
         return None
     n = capacity if slots is None else slots.numel()
@@ -64,7 +58,7 @@ def score(policy, slots: torch.Tensor | None, protected: torch.Tensor, capacity:
 def next_use(slot_ids: torch.Tensor, ids: torch.Tensor, uses: torch.Tensor) -> torch.Tensor | None:
     """Each slot's batches to its next use as the snapshot `ids` had it (`uses`), -1 where none is known or the
     slot's id changed since; None where the C loop does not apply."""
-    c = _native()
+    c = NATIVE.get()
     n = uses.numel()
     if c is None or any(t.device.type != "cpu" or t.dtype != torch.int64 for t in (slot_ids, ids, uses)):
         return None

@@ -9,16 +9,14 @@ both (same answers; the map's internal positions may differ).
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from cachedemb.kernels.native import CFunctions
+from cachedemb.kernels.native import Helper
 
-enabled = True  # False: the torch code (tests switch it)
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
-_C = CFunctions(Path(__file__).with_name("host_map.c"), {
+NATIVE = Helper("host_map", {
     "cemb_map_find": ([_P, _I64, _P, _I64, _P], None),
     "cemb_map_insert": ([_P, _I64, _I64, _P, _I64, _P, _P], _I64),
     "cemb_map_drop_empty": ([_P, _P, _P, _I64, _P, _I64], _I64),
@@ -33,11 +31,6 @@ _C = CFunctions(Path(__file__).with_name("host_map.c"), {
     "cemb_changed": ([_P, _P, _I64, _P], _I64),
     "cemb_relative": ([_P, _I64, _I64, _P], None),
 })
-
-
-def lib():
-    """The C library, or None (disabled, or no compiler)."""
-    return _C.get() if enabled else None
 
 
 def _ptr(t: torch.Tensor) -> int:

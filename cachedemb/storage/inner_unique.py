@@ -10,17 +10,15 @@ groups. `inner_unique.c` does the O(B) part in one pass; the torch code is the r
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from cachedemb.kernels.host_sort import stable_sort
-from cachedemb.kernels.native import CFunctions
+from cachedemb.kernels.native import Helper
 
-enabled = True  # False: the torch code (tests switch it)
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
-_C = CFunctions(Path(__file__).with_name("inner_unique.c"), {
+NATIVE = Helper("inner_unique", {
     "cemb_inner_unique": ([_P, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P], None),
 })
 
@@ -49,7 +47,7 @@ def slab_unique(rows: np.ndarray, inverse: np.ndarray, perm: torch.Tensor, count
     `inverse` gives (every lookup kept)."""
     n, B = rows.size, inverse.size
     order = stable_sort(torch.from_numpy(rows), (0, int(rows.max())))[1].to(torch.int64)
-    c = _C.get() if enabled else None
+    c = NATIVE.get()
     if c is None:
         return slab_unique_torch(rows, inverse, perm, counts, order)
     order, rows = order.contiguous(), np.ascontiguousarray(rows, dtype=np.int64)

@@ -9,9 +9,9 @@ from cachedemb.kernels.host_sort import stable_sort
 
 @pytest.fixture(params=["radix", "numpy"], autouse=True)
 def sort_path(request, monkeypatch):
-    if request.param == "radix" and host_sort._C.get() is None:
+    if request.param == "radix" and host_sort.NATIVE.get() is None:
         pytest.skip("no C compiler: the radix sort is not built")
-    monkeypatch.setattr(host_sort, "enabled", request.param == "radix")
+    monkeypatch.setattr(host_sort.NATIVE, "enabled", request.param == "radix")
     return request.param
 
 
