@@ -1,0 +1,177 @@
+#!/usr/bin/env python
+"""Each C helper's own gain: the workload it speeds up, timed with that one helper on and off.
+
+The C helpers (kernels/native.py) each replace a torch / numpy / Python path that stays their reference. A
+helper is worth its C only where switching it off alone slows the step it serves. Three workloads, the shapes
+of scripts/bench_step_cpu.py, bench_prefetch.py and bench_storage.py at small sizes (Zipf(1.05) batches of
+4096 x 26 ids, hot ids scattered, dim 64, fused SGD, one torch thread, CPU):
+
+  step      CachedEmbeddingBag training steps       host_sort, place_native, score_native, pool_native,
+                                                    host_rows, host_sgd
+  prefetch  the same through cachedemb.prefetch      host_map, score_native, pool_native, place_native
+  storage   a table on disk (FileStorage, host       row_index, slab_victims, inner_unique, record_copy, rowio
+            cache 1/16 of it) through prefetch
+
+Per workload, after a warm-up, rounds of two blocks of steps, one with the helper on and one with it off
+(`helper.NATIVE.enabled`, as the tests switch it; the order alternates round by round), each block's time per
+step (storage: its file I/O drained inside the block). Printed as JSON: per helper the medians and the median
+of the rounds' off/on ratios (`gain` = that - 1). Whole processes can be compared the same way with
+CACHEDEMB_NATIVE_DISABLE=<helper>.
+
+    python scripts/bench_native.py --out benchmarks/results/native_helpers_cpu.json --machine "..."
+    python scripts/bench_native.py --workloads step --helpers host_sort --rounds 2   # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import cachedemb
+from cachedemb.kernels import native
+from cachedemb.tools.traces import zipf_trace
+
+MODULES = {"host_map": "cachedemb.prefetch.host_map", "host_rows": "cachedemb.kernels.host_rows",
+           "host_sgd": "cachedemb.kernels.host_sgd", "host_sort": "cachedemb.kernels.host_sort",
+           "inner_unique": "cachedemb.storage.inner_unique", "place_native": "cachedemb.cache.place_native",
+           "pool_native": "cachedemb.cache.pool_native", "record_copy": "cachedemb.storage.record_copy",
+           "row_index": "cachedemb.storage.row_index", "rowio": "cachedemb.storage.rowio",
+           "score_native": "cachedemb.cache.score_native", "slab_victims": "cachedemb.storage.slab_victims"}
+WORKLOADS = {
+    "step": ["host_sort", "place_native", "score_native", "pool_native", "host_rows", "host_sgd"],
+    "prefetch": ["host_map", "score_native", "pool_native", "place_native"],
+    "storage": ["row_index", "slab_victims", "inner_unique", "record_copy", "rowio"],
+}
+
+
+def helper(name: str):
+    return importlib.import_module(MODULES[name]).NATIVE
+
+
+class Stepper:
+    """One workload's module and batch source; `block(k)` runs k training steps and returns seconds per step."""
+
+    def __init__(self, kind: str, args, work: Path):
+        self.kind = kind
+        n_batches = args.warmup + 2 * args.rounds * args.block * (len(WORKLOADS[kind]) + 1) + 64
+        trace = zipf_trace(args.rows, 4096 * 26, n_batches, 1.05, seed=0)
+        batches = [torch.from_numpy(b).to(torch.int64) for b in trace]
+        self.offsets = torch.arange(4096) * 26
+        spec = cachedemb.optim.SGD(lr=0.01)
+        torch.manual_seed(0)
+        storage = None
+        if kind == "storage":
+            path = work / "table.cemb"
+            creator = cachedemb.CachedEmbeddingBag(args.rows, 64, mode="sum", cache_rows=args.rows // 100,
+                                                   optimizer=spec, device="cpu",
+                                                   storage=cachedemb.FileStorage(path, host_cache_bytes=16 << 20))
+            table_bytes = creator.table.header.num_rows * creator.table.record
+            creator.close()
+            os.sync()
+            storage = cachedemb.FileStorage(path, host_cache_bytes=table_bytes // 16)
+        cache_rows = args.rows // 100 if kind == "storage" else args.cache_rows
+        self.emb = cachedemb.CachedEmbeddingBag(args.rows, 64, mode="sum", cache_rows=cache_rows, optimizer=spec,
+                                                device="cpu", storage=storage)
+        if kind == "step":
+            self.source = iter(batches)
+        else:
+            self.source = iter(cachedemb.prefetch(batches, [self.emb], depth=2, horizon=16))
+        self.block(args.warmup)
+
+    def block(self, k: int) -> float:
+        t = time.perf_counter()
+        for _ in range(k):
+            self.emb(next(self.source), self.offsets).sum().backward()
+        if self.kind == "storage":
+            self.emb.host.fence()
+            self.emb.table.drain()
+        return (time.perf_counter() - t) / max(k, 1)
+
+    def close(self):
+        if self.kind == "storage":
+            self.emb.close()
+
+
+def measure(stepper: Stepper, names: list[str], rounds: int, block: int) -> dict:
+    """Blocks with `names` switched off against blocks with every helper on, alternating which goes first."""
+    switches = [helper(n) for n in names]
+    on, off, ratios = [], [], []
+    for r in range(rounds):
+        times = {}
+        for state in ((True, False) if r % 2 == 0 else (False, True)):
+            for s in switches:
+                s.enabled = state
+            times[state] = stepper.block(block)
+        for s in switches:
+            s.enabled = True
+        on.append(times[True]), off.append(times[False]), ratios.append(times[False] / times[True])
+    ratio = statistics.median(ratios)
+    return {"on_ms": round(1e3 * statistics.median(on), 2), "off_ms": round(1e3 * statistics.median(off), 2),
+            "off_over_on": round(ratio, 3), "gain": round(ratio - 1, 3),
+            "ratios": [round(x, 3) for x in ratios]}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--cache-rows", type=int, default=20_000, help="step and prefetch workloads' cache")
+    p.add_argument("--warmup", type=int, default=20, help="steps before timing (the caches fill)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--block", type=int, default=6, help="steps per timed block")
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--helpers", nargs="+", choices=native.NAMES, help="only these helpers (default: all)")
+    p.add_argument("--machine", default="", help="a note on the machine and its load, kept in the JSON")
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="where the storage workload's table file goes")
+    p.add_argument("--out")
+    args = p.parse_args()
+    if not native.native_available():
+        raise SystemExit(f"the C helpers are not available ({native.status()}): nothing to compare")
+    if args.rounds < 1 or args.block < 1 or args.rows < 10_000:
+        raise SystemExit(f"need --rounds >= 1, --block >= 1, --rows >= 10000; got {args.rounds}, {args.block}, "
+                         f"{args.rows}")
+    torch.set_num_threads(1)
+    root = Path(__file__).resolve().parents[1]
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    out = {"what": "each C helper on vs off (alone) in the workload it speeds up: scripts/bench_native.py",
+           "commit": commit, "machine": args.machine, "platform": platform.platform(), "cores": os.cpu_count(),
+           "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "rows": args.rows, "dim": 64,
+           "batch": "4096 x 26 zipf 1.05 (scattered)", "torch_threads": 1, "cache_rows": args.cache_rows,
+           "warmup": args.warmup, "rounds": args.rounds, "block": args.block, "workloads": {}}
+    work = Path(tempfile.mkdtemp(prefix="cachedemb-bench-native-", dir=args.dir))
+    t0 = time.perf_counter()
+    try:
+        for kind in args.workloads:
+            names = [n for n in WORKLOADS[kind] if args.helpers is None or n in args.helpers]
+            if not names:
+                continue
+            stepper = Stepper(kind, args, work)
+            result = {"all_off": measure(stepper, WORKLOADS[kind], args.rounds, args.block)}
+            print(json.dumps({kind: {"all_off": result["all_off"]}}), flush=True)
+            for name in names:
+                result[name] = measure(stepper, [name], args.rounds, args.block)
+                print(json.dumps({kind: {name: result[name]}}), flush=True)
+            stepper.close()
+            out["workloads"][kind] = result
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    out["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
