@@ -2,9 +2,9 @@
 
 On CPU a row copy through torch is a gather into scratch then a scatter (two passes over the rows), after two
 masked selections of the pairs in range: for the ~20-40k rows a batch moves at a 1-2.5% cache that is ~2-3.5 ms
-a batch on one core; one memcpy per row in C (`host_rows.c`, built on first use by kernels/native.py, called
-through ctypes without the GIL), skipping the pairs out of range itself, is about half. The torch code stays
-the reference: without a compiler, with `enabled` False, or where the tensors do not fit the fast path
+a batch on one core; one memcpy per row in C (`host_rows.c`, called through
+ctypes without the GIL), skipping the pairs out of range itself, is about half. The torch code stays
+the reference: without the C library (or with it off), or where the tensors do not fit the fast path
 (another device or dtype, not contiguous, overlapping memory, an accumulating copy) it runs; the tests compare
 both.
 """

@@ -4,8 +4,8 @@ The torch code gathers a block's rows, adds the scaled gradient and scatters the
 that sit at random in a table of hundreds of MB, ~7 ms for the ~40k rows a batch of 4096 x 26 Zipf ids
 updates, a quarter of a CPU training step. `host_sgd.c` updates each row in place with the same fused
 multiply-add that torch's vectorized `add_(g, alpha=-lr)` performs (the same bits; the tests compare them over
-many shapes), prefetching the rows ahead: ~2.5 ms. The torch code stays the reference: without a compiler,
-without FMA, with `enabled` False, or where the tensors are not float32 CPU rows it runs.
+many shapes), prefetching the rows ahead: ~2.5 ms. The torch code stays the reference: without the C library
+(or with it off), without FMA, or where the tensors are not float32 CPU rows it runs.
 """
 from __future__ import annotations
 

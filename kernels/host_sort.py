@@ -3,13 +3,12 @@
 Every CPU batch sorts its ids once (distinct ids, inverse, lookup groups), and the prefetch read-ahead sorts each
 batch it reads. Each key is packed with its position, `(key - low) << bits | position`, so all packed keys are
 distinct and any sort of them is the stable sort of the keys: the permutation is the low bits, the key the high
-ones. The packed keys are sorted by an LSD radix sort over the key's bits in C (`host_sort.c`, built on first use
-by kernels/native.py, no GIL): 106k keys of a 8M-row table (23 bits, two passes) take ~0.5 ms on one core, where
-numpy's comparison sort of the packed keys took 4.1 ms and `torch.sort(stable=True)` 1.7 ms on the same 2-core
-EPYC box (numpy's vectorized sort is fast only where its SIMD dispatch applies: ~0.6 ms on the box this was
-first measured on). Without a compiler, with `enabled` False, or for keys spanning more than 48 bits, numpy
-sorts the packed keys; where those would not fit in 63 bits (raw 64-bit ids), or on a device, `torch.sort` is
-used: the same result every way (the tests compare them).
+ones. The packed keys are sorted by an LSD radix sort over the key's bits in C (`host_sort.c`, no GIL): 106k keys of
+a 8M-row table (23 bits, two passes) take ~0.5 ms on one core, where numpy's comparison sort of the packed keys took
+4.1 ms and `torch.sort(stable=True)` 1.7 ms on the same 2-core EPYC box (numpy's vectorized sort is fast only where
+its SIMD dispatch applies: ~0.6 ms on the box this was first measured on). Without the C library (or with it off),
+or for keys spanning more than 48 bits, numpy sorts the packed keys; where those would not fit in 63 bits (raw
+64-bit ids), or on a device, `torch.sort` is used: the same result every way (the tests compare them).
 """
 from __future__ import annotations
 

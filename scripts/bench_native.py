@@ -8,15 +8,16 @@ of scripts/bench_step_cpu.py, bench_prefetch.py and bench_storage.py at small si
 
   step      CachedEmbeddingBag training steps       host_sort, place_native, score_native, pool_native,
                                                     host_rows, host_sgd
-  prefetch  the same through cachedemb.prefetch      host_map, score_native, pool_native, place_native
+  prefetch  the same through cachedemb.prefetch     host_map, score_native, pool_native, place_native
   storage   a table on disk (FileStorage, host       row_index, slab_victims, inner_unique, record_copy, rowio
             cache 1/16 of it) through prefetch
 
 Per workload, after a warm-up, rounds of two blocks of steps, one with the helper on and one with it off
 (`helper.NATIVE.enabled`, as the tests switch it; the order alternates round by round), each block's time per
-step (storage: its file I/O drained inside the block). Printed as JSON: per helper the medians and the median
-of the rounds' off/on ratios (`gain` = that - 1). Whole processes can be compared the same way with
-CACHEDEMB_NATIVE_DISABLE=<helper>.
+step in process CPU seconds (all threads: the read-ahead's and the I/O threads' too; on a shared machine far
+steadier than wall time, also printed) and wall seconds (storage: its file I/O drained inside the block).
+Printed as JSON: per helper the medians and the median of the rounds' off/on ratios (`gain`: CPU's, - 1).
+Whole processes can be compared the same way with CACHEDEMB_NATIVE_DISABLE=<helper>.
 
     python scripts/bench_native.py --out benchmarks/results/native_helpers_cpu.json --machine "..."
     python scripts/bench_native.py --workloads step --helpers host_sort --rounds 2   # a quick look
@@ -85,17 +86,18 @@ class Stepper:
         if kind == "step":
             self.source = iter(batches)
         else:
-            self.source = iter(cachedemb.prefetch(batches, [self.emb], depth=2, horizon=16))
+            self.source = iter(cachedemb.prefetch(batches, [self.emb], depth=args.depth, horizon=args.horizon))
         self.block(args.warmup)
 
-    def block(self, k: int) -> float:
-        t = time.perf_counter()
+    def block(self, k: int) -> tuple[float, float]:
+        """(process CPU seconds, wall seconds) per step over k steps."""
+        t, c = time.perf_counter(), time.process_time()
         for _ in range(k):
             self.emb(next(self.source), self.offsets).sum().backward()
         if self.kind == "storage":
             self.emb.host.fence()
             self.emb.table.drain()
-        return (time.perf_counter() - t) / max(k, 1)
+        return (time.process_time() - c) / max(k, 1), (time.perf_counter() - t) / max(k, 1)
 
     def close(self):
         if self.kind == "storage":
@@ -105,26 +107,31 @@ class Stepper:
 def measure(stepper: Stepper, names: list[str], rounds: int, block: int) -> dict:
     """Blocks with `names` switched off against blocks with every helper on, alternating which goes first."""
     switches = [helper(n) for n in names]
-    on, off, ratios = [], [], []
+    runs = {(state, kind): [] for state in (True, False) for kind in ("cpu", "wall")}
     for r in range(rounds):
-        times = {}
         for state in ((True, False) if r % 2 == 0 else (False, True)):
             for s in switches:
                 s.enabled = state
-            times[state] = stepper.block(block)
+            cpu, wall = stepper.block(block)
+            runs[state, "cpu"].append(cpu), runs[state, "wall"].append(wall)
         for s in switches:
             s.enabled = True
-        on.append(times[True]), off.append(times[False]), ratios.append(times[False] / times[True])
-    ratio = statistics.median(ratios)
-    return {"on_ms": round(1e3 * statistics.median(on), 2), "off_ms": round(1e3 * statistics.median(off), 2),
-            "off_over_on": round(ratio, 3), "gain": round(ratio - 1, 3),
-            "ratios": [round(x, 3) for x in ratios]}
+    out = {}
+    for kind in ("cpu", "wall"):
+        ratios = [b / a for a, b in zip(runs[True, kind], runs[False, kind])]
+        out[kind] = {"on_ms": round(1e3 * statistics.median(runs[True, kind]), 2),
+                     "off_ms": round(1e3 * statistics.median(runs[False, kind]), 2),
+                     "off_over_on": round(statistics.median(ratios), 3), "ratios": [round(x, 3) for x in ratios]}
+    out["gain"] = round(out["cpu"]["off_over_on"] - 1, 3)
+    return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--cache-rows", type=int, default=20_000, help="step and prefetch workloads' cache")
+    p.add_argument("--depth", type=int, default=2, help="prefetch and storage workloads' cachedemb.prefetch depth")
+    p.add_argument("--horizon", type=int, default=16, help="... and horizon")
     p.add_argument("--warmup", type=int, default=20, help="steps before timing (the caches fill)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--block", type=int, default=6, help="steps per timed block")
@@ -147,6 +154,7 @@ def main():
            "commit": commit, "machine": args.machine, "platform": platform.platform(), "cores": os.cpu_count(),
            "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "rows": args.rows, "dim": 64,
            "batch": "4096 x 26 zipf 1.05 (scattered)", "torch_threads": 1, "cache_rows": args.cache_rows,
+           "prefetch": {"depth": args.depth, "horizon": args.horizon},
            "warmup": args.warmup, "rounds": args.rounds, "block": args.block, "workloads": {}}
     work = Path(tempfile.mkdtemp(prefix="cachedemb-bench-native-", dir=args.dir))
     t0 = time.perf_counter()

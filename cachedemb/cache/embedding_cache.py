@@ -707,7 +707,7 @@ class EmbeddingCache:
 
     def _set_protection(self, loc: torch.Tensor, value: bool):
         """Set the protection of a window's slots (host locations: the dump element) where counts are on the
-        host; returns how many resident slots changed. One C pass where a compiler is at hand, else torch ops."""
+        host; returns how many resident slots changed. One C pass where the C library is installed, else torch ops."""
         c = place_native.NATIVE.get()
         changed = None if c is None else place_native.set_protection(c, self.protected, loc, self.capacity, value)
         if changed is None:

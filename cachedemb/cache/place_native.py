@@ -5,7 +5,7 @@ and updates the map and slot metadata in ~30 torch ops over the batch's ids (eac
 or scatter): ~6 ms a batch of 40k distinct ids on one core, ~20 ms a prefetch window of 120k, a fifth of a
 CPU training step. The two C loops do the same writes in the same order (masked scatters into the dump element
 included), so the state is the same bit for bit; the victim choice between them stays in torch (the policy is
-the user's). Used when a compiler is at hand (kernels/native.py) and `enabled`; the torch code of `_place` is
+the user's). Used where the package's C library is installed and on (kernels/native.py); the torch code of `_place` is
 the reference, and the tests run both.
 """
 from __future__ import annotations

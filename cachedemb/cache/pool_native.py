@@ -6,8 +6,8 @@ torch union (a [C] mask, two fills and a nonzero) is ~1.5 ms a window at a 400k-
 The union keeps the pool's order and appends the new slots; the pool's choice does not depend on its order
 (scores are distinct). `rescore` does a choice's union, scores (slot_score.h, the built-in policies), valid count
 and pruning in one pass: at a 5% cache with one-batch windows (a ~130k-slot pool) the separate steps (union,
-protection gather, scores, count, prune) took ~4.5 ms a window. `enabled = False`, no compiler or a tensor off
-the CPU: the torch union and the caller's separate steps.
+protection gather, scores, count, prune) took ~4.5 ms a window. The C library missing or off (kernels/native.py), or a
+tensor off the CPU: the torch union and the caller's separate steps.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Choosing victims re-scores the candidate pool every batch with misses (tens of t
 cache at a small one): the view's four gathers and the policy's ~10 elementwise ops are ~3-4 ms a batch on one
 core at an 80k-slot cache. The C loop reads each slot's metadata once and computes the same int64 scores as
 cachedemb/cache/policy.py (which stays the reference: a user's policy, a multi-table cache, another device, no
-compiler or `enabled` False all score through the policy). The Triton backend has its own kernel
+C library missing or off (kernels/native.py) all score through the policy). The Triton backend has its own kernel
 (kernels/slot_score.py).
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The torch code of id_map.py / next_use.py makes ~10 passes over a batch's ~40k ids, each a random gather or
 scatter over a map of millions of positions: ~8 ms a batch to enter, ~10 ms a window for the slots' next uses,
 more than the step it runs beside on a small machine. The C loops make one pass per id (and hold no GIL). Used
-when a compiler is at hand (kernels/native.py) and `enabled`; the torch code is the reference, and the tests run
+where the package's C library is installed and on (kernels/native.py); the torch code is the reference, and the tests run
 both (same answers; the map's internal positions may differ).
 """
 from __future__ import annotations

@@ -4,8 +4,8 @@ return_groups=True)` would compute them, from the sort of its table ids the mapp
 The file tier maps each distinct table id of a batch to a slab row; the inner module then looks the batch up by
 slab row and would sort those lookups again. The rows are distinct, so sorting just the distinct rows (n, not B)
 and moving each id's run of lookups to its row's place gives the same unique ids, inverse, counts and lookup
-groups. `inner_unique.c` does the O(B) part in one pass; the torch code is the reference (no compiler, or
-`enabled` False; the tests compare both with `unique_ids`).
+groups. `inner_unique.c` does the O(B) part in one pass; the torch code is the reference (without the C
+library, or with it off; the tests compare both with `unique_ids`).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Landing a read batch took five torch ops per reader-thread part (index_copy_ of 
 views), packing a write-back batch three gathers and three copies on the training thread; on the file tier's
 reader threads each op is a turn at the GIL against the training thread. `record_copy.c` does either in one
 ctypes call (no GIL held). The torch code in host_cache.py (format.RecordLayout's views and `pack`) is the
-reference: `enabled = False`, no compiler, or rows that are not plain contiguous CPU tensors run it, and the
+reference: the C library missing or off, or rows that are not plain contiguous CPU tensors run it, and the
 tests compare the two byte for byte.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The host cache looks up every distinct id of a batch (~40k), inserts its misses and deletes its victims (~15k
 each): through the torch reference of `kernels.id_index` (probe rounds with compaction) that was ~10 ms a step
 at 8M rows, a fifth of an in-memory step. `row_index.c` walks the same layout one id at a time (one pass, no GIL)
-where a compiler is at hand (kernels/native.py) and `enabled`; the torch code runs otherwise. Lookups give the same
+where the package's C library is installed and on (kernels/native.py); the torch code runs otherwise. Lookups give the same
 rows either way; where an insert lands may differ (the C loop places ids in order, the reference in rounds), as on
 the Triton backend.
 """

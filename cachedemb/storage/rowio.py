@@ -1,4 +1,4 @@
-"""Span reads and writes of table records: the loop over spans in C where a compiler is at hand, else in Python.
+"""Span reads and writes of table records: the loop over spans in C (the package's C library) or in Python.
 
 A miss is one record at a random offset, so a batch is thousands of small positional reads. `os.preadv` per
 span costs ~1.5 us of Python each and holds the GIL between calls; `rowio.c` runs the same loop in C under a

@@ -3,8 +3,8 @@
 An eviction ranks every row of the slab no batch in flight holds: in numpy that is ~8 passes over the slab's
 arrays (masks, a gather of the counts, the key's shifts and clips), ~6 ms for a 500k-row slab, paid about once
 a step at a 1/16 host cache. `slab_victims.c` builds the same candidates (ascending rows) and the same keys in
-one pass, so the victims chosen from them are the same. The numpy code is the reference: it runs without a
-compiler, with `enabled` False, or where the arrays are not what the loop reads; the tests compare both.
+one pass, so the victims chosen from them are the same. The numpy code is the reference: it runs without
+the C library (or with it off), or where the arrays are not what the loop reads; the tests compare both.
 """
 from __future__ import annotations
 
