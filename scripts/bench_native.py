@@ -48,6 +48,7 @@ MODULES = {"host_map": "cachedemb.prefetch.host_map", "host_rows": "cachedemb.ke
            "pool_native": "cachedemb.cache.pool_native", "record_copy": "cachedemb.storage.record_copy",
            "row_index": "cachedemb.storage.row_index", "rowio": "cachedemb.storage.rowio",
            "score_native": "cachedemb.cache.score_native", "slab_victims": "cachedemb.storage.slab_victims"}
+MICRO = ["host_sort", "slab_victims", "inner_unique"]
 WORKLOADS = {
     "step": ["host_sort", "place_native", "score_native", "pool_native", "host_rows", "host_sgd"],
     "prefetch": ["host_map", "score_native", "pool_native", "place_native"],
@@ -126,6 +127,44 @@ def measure(stepper: Stepper, names: list[str], rounds: int, block: int) -> dict
     return out
 
 
+def micro_calls(rows: int) -> dict:
+    """One wrapper call each at a batch's sizes (4096 x 26 Zipf ids of a `rows`-row table): where a workload's
+    step is too noisy to show a helper's share, its call on and off (the wrapper's own pure path)."""
+    import numpy as np
+
+    from cachedemb.kernels import host_sort
+    from cachedemb.storage import host_cache, slab_victims
+
+    ids = torch.from_numpy(zipf_trace(rows, 4096 * 26, 1, 1.05, seed=1)[0]).to(torch.int64)
+    rng = np.random.default_rng(0)
+    slab = rows // 16  # a 1/16 host cache's rows
+    row_id = rng.permutation(rows)[:slab].astype(np.int64)
+    row_id[rng.random(slab) < 0.02] = -1
+    row_step = rng.integers(0, 100, slab).astype(np.int64)
+    next_use = rng.integers(-1, 120, slab).astype(np.int64)
+    freq = rng.integers(0, 1000, slab).astype(np.int64)
+    keep = rng.choice(slab, 4096, replace=False).astype(np.int64)
+    d = host_cache.distinct(ids, groups=True, bound=rows)
+    slab_rows = rng.choice(slab, d.inverse.max() + 1, replace=False).astype(np.int64)
+    return {"host_sort": lambda: host_sort.stable_sort(ids, (0, rows - 1)),
+            "slab_victims": lambda: slab_victims.victim_keys(row_id, row_step, next_use, freq, 95, keep),
+            "inner_unique": lambda: d.slab_unique(slab_rows)}
+
+
+def measure_call(name: str, call, reps: int) -> dict:
+    switch = helper(name)
+    runs = {True: [], False: []}
+    for r in range(reps):
+        for state in ((True, False) if r % 2 == 0 else (False, True)):
+            switch.enabled = state
+            c = time.process_time()
+            call()
+            runs[state].append(time.process_time() - c)
+    switch.enabled = True
+    on, off = statistics.median(runs[True]), statistics.median(runs[False])
+    return {"call_on_ms": round(1e3 * on, 3), "call_off_ms": round(1e3 * off, 3), "off_over_on": round(off / on, 3)}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=1_000_000)
@@ -135,7 +174,8 @@ def main():
     p.add_argument("--warmup", type=int, default=20, help="steps before timing (the caches fill)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--block", type=int, default=6, help="steps per timed block")
-    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS) + ["micro"], default=list(WORKLOADS),
+                   help="micro: one wrapper call each of host_sort, slab_victims, inner_unique (on vs off)")
     p.add_argument("--helpers", nargs="+", choices=native.NAMES, help="only these helpers (default: all)")
     p.add_argument("--machine", default="", help="a note on the machine and its load, kept in the JSON")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where the storage workload's table file goes")
@@ -159,13 +199,20 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="cachedemb-bench-native-", dir=args.dir))
     t0 = time.perf_counter()
     try:
-        for kind in args.workloads:
+        if "micro" in args.workloads:
+            calls = micro_calls(args.rows)
+            out["micro"] = {n: measure_call(n, calls[n], 4 * args.rounds + 1) for n in MICRO
+                            if args.helpers is None or n in args.helpers}
+            print(json.dumps({"micro": out["micro"]}), flush=True)
+        for kind in (k for k in args.workloads if k != "micro"):
             names = [n for n in WORKLOADS[kind] if args.helpers is None or n in args.helpers]
             if not names:
                 continue
             stepper = Stepper(kind, args, work)
-            result = {"all_off": measure(stepper, WORKLOADS[kind], args.rounds, args.block)}
-            print(json.dumps({kind: {"all_off": result["all_off"]}}), flush=True)
+            result = {}
+            if args.helpers is None:  # every helper of the workload off at once, for scale
+                result["all_off"] = measure(stepper, WORKLOADS[kind], args.rounds, args.block)
+                print(json.dumps({kind: {"all_off": result["all_off"]}}), flush=True)
             for name in names:
                 result[name] = measure(stepper, [name], args.rounds, args.block)
                 print(json.dumps({kind: {name: result[name]}}), flush=True)
