@@ -20,16 +20,13 @@ ROOT = Path(__file__).resolve().parent
 SOURCES = [
     "cachedemb/cache/place_native.c",
     "cachedemb/cache/pool_native.c",
-    "cachedemb/cache/score_native.c",
     "cachedemb/prefetch/host_map.c",
-    "cachedemb/storage/inner_unique.c",
     "cachedemb/storage/record_copy.c",
     "cachedemb/storage/row_index.c",
     "cachedemb/storage/rowio.c",
     "cachedemb/storage/slab_victims.c",
     "kernels/host_rows.c",
     "kernels/host_sgd.c",
-    "kernels/host_sort.c",
 ]
 HEADERS = ["cachedemb/cache/slot_score.h"]
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 _STEM = "_native"
 # The helpers, by the names `Helper` and CACHEDEMB_NATIVE_DISABLE take (each its C file's stem).
-NAMES = ("host_map", "host_rows", "host_sgd", "host_sort", "inner_unique", "place_native", "pool_native",
-         "record_copy", "row_index", "rowio", "score_native", "slab_victims")
+NAMES = ("host_map", "host_rows", "host_sgd", "place_native", "pool_native", "record_copy", "row_index", "rowio",
+         "slab_victims")
 _state: dict = {}  # "lib": the loaded library or None, "why": why it is None
 HELPERS: dict[str, Helper] = {}
 

@@ -6,11 +6,14 @@ helper is worth its C only where switching it off alone slows the step it serves
 of scripts/bench_step_cpu.py, bench_prefetch.py and bench_storage.py at small sizes (Zipf(1.05) batches of
 4096 x 26 ids, hot ids scattered, dim 64, fused SGD, one torch thread, CPU):
 
-  step      CachedEmbeddingBag training steps       host_sort, place_native, score_native, pool_native,
-                                                    host_rows, host_sgd
-  prefetch  the same through cachedemb.prefetch     host_map, score_native, pool_native, place_native
-  storage   a table on disk (FileStorage, host       row_index, slab_victims, inner_unique, record_copy, rowio
+  step      CachedEmbeddingBag training steps       place_native, pool_native, host_rows, host_sgd
+  prefetch  the same through cachedemb.prefetch     host_map, pool_native, place_native
+  storage   a table on disk (FileStorage, host       row_index, slab_victims, record_copy, rowio
             cache 1/16 of it) through prefetch
+  micro     one call of slab_victims at the table's sizes (its share of a small table's step is in the noise)
+
+benchmarks/results/native_helpers_cpu.json also has the helpers measured and dropped (host_sort, score_native,
+inner_unique: their C is gone, their pure paths remain).
 
 Per workload, after a warm-up, rounds of two blocks of steps, one with the helper on and one with it off
 (`helper.NATIVE.enabled`, as the tests switch it; the order alternates round by round), each block's time per
@@ -43,16 +46,15 @@ from cachedemb.kernels import native
 from cachedemb.tools.traces import zipf_trace
 
 MODULES = {"host_map": "cachedemb.prefetch.host_map", "host_rows": "cachedemb.kernels.host_rows",
-           "host_sgd": "cachedemb.kernels.host_sgd", "host_sort": "cachedemb.kernels.host_sort",
-           "inner_unique": "cachedemb.storage.inner_unique", "place_native": "cachedemb.cache.place_native",
+           "host_sgd": "cachedemb.kernels.host_sgd", "place_native": "cachedemb.cache.place_native",
            "pool_native": "cachedemb.cache.pool_native", "record_copy": "cachedemb.storage.record_copy",
            "row_index": "cachedemb.storage.row_index", "rowio": "cachedemb.storage.rowio",
-           "score_native": "cachedemb.cache.score_native", "slab_victims": "cachedemb.storage.slab_victims"}
-MICRO = ["host_sort", "slab_victims", "inner_unique"]
+           "slab_victims": "cachedemb.storage.slab_victims"}
+MICRO = ["slab_victims"]
 WORKLOADS = {
-    "step": ["host_sort", "place_native", "score_native", "pool_native", "host_rows", "host_sgd"],
-    "prefetch": ["host_map", "score_native", "pool_native", "place_native"],
-    "storage": ["row_index", "slab_victims", "inner_unique", "record_copy", "rowio"],
+    "step": ["place_native", "pool_native", "host_rows", "host_sgd"],
+    "prefetch": ["host_map", "pool_native", "place_native"],
+    "storage": ["row_index", "slab_victims", "record_copy", "rowio"],
 }
 
 
@@ -128,14 +130,12 @@ def measure(stepper: Stepper, names: list[str], rounds: int, block: int) -> dict
 
 
 def micro_calls(rows: int) -> dict:
-    """One wrapper call each at a batch's sizes (4096 x 26 Zipf ids of a `rows`-row table): where a workload's
-    step is too noisy to show a helper's share, its call on and off (the wrapper's own pure path)."""
+    """One wrapper call each at a `rows`-row table's sizes (a 1/16 host cache's slab): where a workload's step is
+    too noisy to show a helper's share, its call on and off (the wrapper's own pure path)."""
     import numpy as np
 
-    from cachedemb.kernels import host_sort
-    from cachedemb.storage import host_cache, slab_victims
+    from cachedemb.storage import slab_victims
 
-    ids = torch.from_numpy(zipf_trace(rows, 4096 * 26, 1, 1.05, seed=1)[0]).to(torch.int64)
     rng = np.random.default_rng(0)
     slab = rows // 16  # a 1/16 host cache's rows
     row_id = rng.permutation(rows)[:slab].astype(np.int64)
@@ -144,11 +144,7 @@ def micro_calls(rows: int) -> dict:
     next_use = rng.integers(-1, 120, slab).astype(np.int64)
     freq = rng.integers(0, 1000, slab).astype(np.int64)
     keep = rng.choice(slab, 4096, replace=False).astype(np.int64)
-    d = host_cache.distinct(ids, groups=True, bound=rows)
-    slab_rows = rng.choice(slab, d.inverse.max() + 1, replace=False).astype(np.int64)
-    return {"host_sort": lambda: host_sort.stable_sort(ids, (0, rows - 1)),
-            "slab_victims": lambda: slab_victims.victim_keys(row_id, row_step, next_use, freq, 95, keep),
-            "inner_unique": lambda: d.slab_unique(slab_rows)}
+    return {"slab_victims": lambda: slab_victims.victim_keys(row_id, row_step, next_use, freq, 95, keep)}
 
 
 def measure_call(name: str, call, reps: int) -> dict:
@@ -175,7 +171,7 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--block", type=int, default=6, help="steps per timed block")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS) + ["micro"], default=list(WORKLOADS),
-                   help="micro: one wrapper call each of host_sort, slab_victims, inner_unique (on vs off)")
+                   help="micro: one call of slab_victims at the table's sizes (on vs off)")
     p.add_argument("--helpers", nargs="+", choices=native.NAMES, help="only these helpers (default: all)")
     p.add_argument("--machine", default="", help="a note on the machine and its load, kept in the JSON")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where the storage workload's table file goes")

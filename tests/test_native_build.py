@@ -21,10 +21,9 @@ from cachedemb.kernels import native
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = Path(cachedemb.__file__).parent
-MODULES = ["cachedemb.cache.place_native", "cachedemb.cache.pool_native", "cachedemb.cache.score_native",
-           "cachedemb.prefetch.host_map", "cachedemb.storage.inner_unique", "cachedemb.storage.record_copy",
-           "cachedemb.storage.row_index", "cachedemb.storage.rowio", "cachedemb.storage.slab_victims",
-           "cachedemb.kernels.host_rows", "cachedemb.kernels.host_sgd", "cachedemb.kernels.host_sort"]
+MODULES = ["cachedemb.cache.place_native", "cachedemb.cache.pool_native", "cachedemb.prefetch.host_map",
+           "cachedemb.storage.record_copy", "cachedemb.storage.row_index", "cachedemb.storage.rowio",
+           "cachedemb.storage.slab_victims", "cachedemb.kernels.host_rows", "cachedemb.kernels.host_sgd"]
 needs_library = pytest.mark.skipif(native.library() is None, reason=f"C helpers not built ({native.status()})")
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 
@@ -83,15 +82,20 @@ def test_a_library_built_from_other_sources_is_refused(tmp_path):
 
 STEP = """
 import json, torch, cachedemb
-from cachedemb.kernels import native, host_sort
+from cachedemb.kernels import native, host_rows
 emb = cachedemb.CachedEmbeddingBag(5000, 8, mode="sum", cache_rows=300, optimizer=cachedemb.optim.SGD(lr=0.1),
                                    device="cpu")
 g = torch.Generator().manual_seed(0)
 for _ in range(3):
     ids = torch.randint(0, 5000, (2000,), generator=g)
     emb(ids, torch.arange(0, 2000, 20)).sum().backward()
-keys = torch.randint(0, 1 << 20, (5000,), generator=g)
-ok = all(torch.equal(a, b) for a, b in zip(host_sort.stable_sort(keys), torch.sort(keys, stable=True)))
+src, dst = torch.randn(100, 8, generator=g), torch.zeros(50, 8)
+s_idx, d_idx = torch.randperm(100, generator=g)[:40], torch.randperm(50, generator=g)[:40]
+want = dst.clone()
+want[d_idx] = src[s_idx]
+if not host_rows.copy_rows(src, s_idx, dst, d_idx, 40):  # False: the caller's torch copy (the pure path)
+    dst[d_idx] = src[s_idx]
+ok = torch.equal(dst, want)
 print(json.dumps(dict(available=cachedemb.native_available(), status=native.status(), sort_ok=ok,
                       on=sorted(n for n, h in native.HELPERS.items() if h.get() is not None), pkg=cachedemb.__file__)))
 """
@@ -116,10 +120,10 @@ def test_the_run_time_switches():
     off = json.loads(run_python(STEP, {"CACHEDEMB_NATIVE": "0"}).stdout.splitlines()[-1])
     assert (off["available"], off["status"], off["sort_ok"], off["on"]) == (False, "off: CACHEDEMB_NATIVE=0", True, [])
     if native.library() is not None:
-        some = json.loads(run_python(STEP, {"CACHEDEMB_NATIVE_DISABLE": "host_sort, rowio"}).stdout.splitlines()[-1])
-        assert some["available"] and some["on"] == sorted(set(native.NAMES) - {"host_sort", "rowio"})
-    bad = run_python(STEP, {"CACHEDEMB_NATIVE_DISABLE": "host_sort,hostsort"})
-    assert bad.returncode != 0 and "unknown helpers ['hostsort']" in bad.stderr
+        some = json.loads(run_python(STEP, {"CACHEDEMB_NATIVE_DISABLE": "host_rows, rowio"}).stdout.splitlines()[-1])
+        assert some["available"] and some["on"] == sorted(set(native.NAMES) - {"host_rows", "rowio"})
+    bad = run_python(STEP, {"CACHEDEMB_NATIVE_DISABLE": "host_rows,hostrows"})
+    assert bad.returncode != 0 and "unknown helpers ['hostrows']" in bad.stderr
 
 
 def source_copy(tmp_path: Path) -> Path:

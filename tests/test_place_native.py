@@ -1,5 +1,5 @@
-"""The CPU cache's placement bookkeeping and victim scores in C (cachedemb/cache/place_native.c, score_native.c)
-against the torch code of EmbeddingCache._place and the policies: the same results and the same cache state
+"""The CPU cache's placement bookkeeping and the victim pool's re-scoring in C (cachedemb/cache/place_native.c,
+pool_native.c) against the torch code of EmbeddingCache._place and the policies: the same results and the same cache state
 after every step (slots, map, metadata, protection, counters, row moves), per batch and through prefetch
 windows, at caches from far smaller than a batch to larger than the table, with padding ids and both victim
 policies."""
@@ -11,7 +11,7 @@ import torch
 
 import cachedemb
 from cachedemb import optim
-from cachedemb.cache import place_native, pool_native, score_native
+from cachedemb.cache import place_native, pool_native
 
 pytestmark = pytest.mark.skipif(place_native.NATIVE.get() is None, reason="no C compiler: the torch code runs")
 
@@ -36,7 +36,7 @@ def state(emb):
 
 def run(native: bool, cache_rows, spec, padding_idx, prefetch, monkeypatch, steps=30):
     monkeypatch.setattr(place_native.NATIVE, "enabled", native)
-    monkeypatch.setattr(score_native.NATIVE, "enabled", native)  # the victims' scores too: the reference is all torch
+    monkeypatch.setattr(pool_native.NATIVE, "enabled", native)  # the victims' scores too: the reference is all torch
     torch.manual_seed(0)
     emb = cachedemb.CachedEmbeddingBag(300, 4, mode="sum", cache_rows=cache_rows, device="cpu", optimizer=spec,
                                        padding_idx=padding_idx)
@@ -105,8 +105,7 @@ def test_under_the_cuda_rules_no_c_loop_runs(monkeypatch):
     monkeypatch.setattr(place_native, "find", refuse)
     monkeypatch.setattr(place_native, "set_protection", refuse)
     monkeypatch.setattr(pool_native, "union", refuse)
-    monkeypatch.setattr(score_native, "score", refuse)
-    monkeypatch.setattr(score_native, "next_use", refuse)
+    monkeypatch.setattr(pool_native, "rescore", refuse)
     torch.manual_seed(0)
     emb = cachedemb.CachedEmbeddingBag(300, 4, mode="sum", cache_rows=40, device="cpu", optimizer=optim.SGD(lr=0.1))
     for ids in cachedemb.prefetch(batches(300, 12), [emb], depth=2, horizon=4):
@@ -119,7 +118,7 @@ def test_eval_batches_and_host_served_misses_count_as_the_torch_code_does(cache_
     small cache) and the dump; eval batches only count lookups. Same counters and counts as the torch code."""
     def trained(native):
         monkeypatch.setattr(place_native.NATIVE, "enabled", native)
-        monkeypatch.setattr(score_native.NATIVE, "enabled", native)
+        monkeypatch.setattr(pool_native.NATIVE, "enabled", native)
         torch.manual_seed(0)
         emb = cachedemb.CachedEmbeddingBag(300, 4, mode="sum", cache_rows=cache_rows, device="cpu",
                                            optimizer=optim.SGD(lr=0.1), padding_idx=3)

@@ -32,7 +32,7 @@ from cachedemb.cache.host_memory import host_empty, pinned_copy
 from cachedemb.kernels import PROTECTED, id_index
 from cachedemb.kernels.gather import take
 from cachedemb.cache.policy import Policy, SlotView, resolve, score_kernel
-from cachedemb.cache import device_place, place_native, pool_native, score_native
+from cachedemb.cache import device_place, place_native, pool_native
 from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.victim_pool import VictimPool
 
@@ -500,13 +500,8 @@ class EmbeddingCache:
             return
         ids = next_use.ids.to(self.device, non_blocking=True)
         uses = next_use.uses.to(self.device, non_blocking=True)
-        # C on the host-count path only: under the CUDA rules the CPU run stands for the device's op sequence
-        fast = score_native.next_use(self.slot_ids, ids, uses) if host else None
-        if fast is not None:
-            self.next_use = fast
-        else:
-            known = (self.slot_ids[:c] == ids) & (uses >= 0)
-            self.next_use = torch.where(known, uses, torch.full_like(uses, -1))
+        known = (self.slot_ids[:c] == ids) & (uses >= 0)
+        self.next_use = torch.where(known, uses, torch.full_like(uses, -1))
         # Only rows used since the last refresh have a later next use now (a lower score): the last windows'
         # rows, which joined the pool when their protection came off. Every other score stays or rises.
         if not counts_on_host(self.device):
@@ -737,23 +732,16 @@ class EmbeddingCache:
                                          self.next_use, protected, tables, gate)
 
     def _score_slots(self, policy: Policy, slots: torch.Tensor | None, protected: torch.Tensor) -> torch.Tensor:
-        """`policy`'s scores of `slots` (None: all C) under `protected` (one per entry): for a built-in policy of
-        a one-table CPU cache on the host-count path in one C pass (cachedemb/cache/score_native.py), else the
-        policy over the view (under the CUDA rules a CPU run stands for the device's op sequence)."""
-        if counts_on_host(self.device) and getattr(self, "table_starts", None) is None:
-            score = score_native.score(policy, slots, protected, self.capacity, self.slot_ids, self.slot_freq,
-                                     self.slot_last_use, self.next_use)
-            if score is not None:
-                return score
+        """`policy`'s scores of `slots` (None: all C) under `protected` (one per entry): the policy over the view."""
         return policy(self._slot_view(slots, protected))
 
     def _rescore_pool(self, policy: Policy, pool: torch.Tensor, joined: torch.Tensor, bound: int, mark: torch.Tensor,
                       scratch: torch.Tensor, drop_protected: bool = False):
-        """The victim pool's re-scoring in one C pass where `_score_slots` scores in C (VictimPool.choose's
-        `rescore`), else None."""
+        """The victim pool's re-scoring in one C pass for a built-in policy of a one-table cache on the host-count
+        path (VictimPool.choose's `rescore`), else None."""
         if not counts_on_host(self.device) or getattr(self, "table_starts", None) is not None:
             return None
-        return pool_native.rescore(score_native.kind(policy), pool, joined, self.capacity, self.slot_ids,
+        return pool_native.rescore(pool_native.kind(policy), pool, joined, self.capacity, self.slot_ids,
                                    self.slot_freq, self.slot_last_use, self.next_use, self.protected, bound, mark,
                                    scratch, drop_protected)
 

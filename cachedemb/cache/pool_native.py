@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from cachedemb.cache.policy import score_kernel
 from cachedemb.kernels.native import Helper
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
@@ -23,6 +24,13 @@ NATIVE = Helper("pool_native", {
     "cemb_pool_union": ([_P, _I64, _P, _I64, _I64, _P, _P], _I64),
     "cemb_pool_rescore": ([_I64, _P, _I64, _P, _I64, _I64] + [_P] * 5 + [_I64, _I64] + [_P] * 6, None),
 })
+
+
+def kind(policy) -> int | None:
+    """`policy`'s kind for the C re-scoring (slot_score.h: kernels/slot_score.py's SCORE_* kinds), or None: the
+    caller's separate steps score with the policy (a user's policy, or the C library missing or off)."""
+    kind = score_kernel(policy)
+    return kind if kind is not None and NATIVE.get() is not None else None
 
 
 def union(pool: torch.Tensor, slots: torch.Tensor, capacity: int, mark: torch.Tensor) -> torch.Tensor | None:
