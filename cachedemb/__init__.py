@@ -10,6 +10,6 @@ from cachedemb.prefetch import prefetch
 from cachedemb.storage.embedding_bag import FileBackedEmbeddingBag, FileStorage, open_table
 
 __all__ = ["CachedEmbeddingBag", "CachedEmbeddingBagCollection", "DynamicEmbeddingBag", "DynamicIds", "FileBackedEmbeddingBag",
-           "FileStorage", "TableConfig", "load_checkpoint", "materialize", "native_available", "open_table", "optim", "prefetch",
-           "save_checkpoint", "sizing"]
+           "FileStorage", "TableConfig", "load_checkpoint", "materialize", "native_available", "open_table", "optim",
+           "prefetch", "save_checkpoint", "sizing"]
 __version__ = "0.1.0"

@@ -116,14 +116,30 @@ def test_run_time_compiles_nothing_and_writes_no_cache(tmp_path):
     assert got["on"] == (sorted(native.NAMES) if got["available"] else [])
 
 
-def test_the_run_time_switches():
-    off = json.loads(run_python(STEP, {"CACHEDEMB_NATIVE": "0"}).stdout.splitlines()[-1])
-    assert (off["available"], off["status"], off["sort_ok"], off["on"]) == (False, "off: CACHEDEMB_NATIVE=0", True, [])
+def test_the_run_time_switches(monkeypatch):
+    """CACHEDEMB_NATIVE=0 turns every helper off, CACHEDEMB_NATIVE_DISABLE the ones it names (an unknown name is
+    an error naming it); each helper reads them at its first use (here made first again)."""
+    for name in MODULES:
+        importlib.import_module(name)
+
+    def first_use(**env):
+        for key in ("CACHEDEMB_NATIVE", "CACHEDEMB_NATIVE_DISABLE"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        for h in native.HELPERS.values():
+            monkeypatch.setattr(h, "_tried", False)
+            monkeypatch.setattr(h, "_lib", h._lib)  # restored after the test, as _tried
+        return sorted(n for n, h in native.HELPERS.items() if h.get() is not None)
+
+    assert first_use(CACHEDEMB_NATIVE="0") == []
+    assert not native.native_available() and native.status() == "off: CACHEDEMB_NATIVE=0"
     if native.library() is not None:
-        some = json.loads(run_python(STEP, {"CACHEDEMB_NATIVE_DISABLE": "host_rows, rowio"}).stdout.splitlines()[-1])
-        assert some["available"] and some["on"] == sorted(set(native.NAMES) - {"host_rows", "rowio"})
-    bad = run_python(STEP, {"CACHEDEMB_NATIVE_DISABLE": "host_rows,hostrows"})
-    assert bad.returncode != 0 and "unknown helpers ['hostrows']" in bad.stderr
+        on = first_use(CACHEDEMB_NATIVE_DISABLE="host_rows, rowio")
+        assert on == sorted(set(native.NAMES) - {"host_rows", "rowio"})
+        assert native.native_available() and native.status().startswith("on: ")
+    with pytest.raises(ValueError, match=r"unknown helpers \['hostrows'\]"):
+        first_use(CACHEDEMB_NATIVE_DISABLE="host_rows,hostrows")
 
 
 def source_copy(tmp_path: Path) -> Path:

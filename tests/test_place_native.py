@@ -1,8 +1,8 @@
 """The CPU cache's placement bookkeeping and the victim pool's re-scoring in C (cachedemb/cache/place_native.c,
-pool_native.c) against the torch code of EmbeddingCache._place and the policies: the same results and the same cache state
-after every step (slots, map, metadata, protection, counters, row moves), per batch and through prefetch
-windows, at caches from far smaller than a batch to larger than the table, with padding ids and both victim
-policies."""
+pool_native.c) against the torch code of EmbeddingCache._place and the policies: the same results and the same
+cache state after every step (slots, map, metadata, protection, counters, row moves), per batch and through
+prefetch windows, at caches from far smaller than a batch to larger than the table, with padding ids and both
+victim policies."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +13,7 @@ import cachedemb
 from cachedemb import optim
 from cachedemb.cache import place_native, pool_native
 
-pytestmark = pytest.mark.skipif(place_native.NATIVE.get() is None, reason="no C compiler: the torch code runs")
+pytestmark = pytest.mark.skipif(place_native.NATIVE.get() is None, reason="C helpers off: the torch code runs")
 
 
 def batches(num, steps, bags=16, bag_len=6, seed=0, alpha=1.1):
@@ -89,8 +89,8 @@ def test_an_id_outside_the_map_leaves_the_c_loops_and_raises_as_the_torch_code_d
     with pytest.raises(IndexError, match="victim slots"):
         found = place_native.find(place_native.NATIVE.get(), torch.tensor([1]), 1, cache.id_slot, cache.capacity,
                                   cache.protected.clone())
-        place_native.commit(place_native.NATIVE.get(), found, cache.protected.clone(), torch.tensor([cache.capacity]), 1,
-                            cache.capacity, cache.id_slot.clone(), cache.slot_ids.clone(), cache.dirty.clone(),
+        place_native.commit(place_native.NATIVE.get(), found, cache.protected.clone(),
+                            torch.tensor([cache.capacity]), 1, cache.capacity, cache.id_slot.clone(), cache.slot_ids.clone(), cache.dirty.clone(),
                             cache.slot_last_use.clone(), 1)
 
 

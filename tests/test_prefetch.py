@@ -213,7 +213,7 @@ def test_window_protection_count_is_kept_in_step_with_the_mask(depth, loops, mon
     if loops == "torch":
         monkeypatch.setattr(place_native.NATIVE, "enabled", False)
     elif place_native.NATIVE.get() is None:
-        pytest.skip("no C compiler: the torch code runs")
+        pytest.skip("C helpers off: the torch code runs")
     batches = zipf_batches(500, 30, bags=6, bag_len=5, seed=4)
     emb = make(cache_rows=120)
     for ids, offsets in cachedemb.prefetch(batches, [emb], depth=depth, horizon=8, overlap=True):

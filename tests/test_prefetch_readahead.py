@@ -25,7 +25,7 @@ def map_loops(request, monkeypatch):
     if request.param == "torch":
         monkeypatch.setattr(host_map.NATIVE, "enabled", False)
     elif host_map.NATIVE.get() is None:
-        pytest.skip("no C compiler: the torch loops run")
+        pytest.skip("C helpers off: the torch loops run")
     return request.param
 
 
@@ -202,7 +202,7 @@ def test_id_map_of_ids_coming_and_going_is_not_laid_out_again(map_loops):
 def test_a_c_insert_that_would_leave_the_tail_changes_nothing():
     c = host_map.NATIVE.get()
     if c is None:
-        pytest.skip("no C compiler")
+        pytest.skip("C helpers off")
     keys = torch.full((20,), -1, dtype=torch.int64)
     keys[:18] = torch.arange(100, 118)
     keys[3] = -2  # a TOMB the first insert may take

@@ -12,7 +12,7 @@ from cachedemb.storage.record_copy import RecordFields
 def needs_c():
     layout = RecordLayout(3, torch.float32, (), torch.float32)
     if RecordFields.of(layout, torch.zeros(1, 3), {}, torch.zeros(1, dtype=torch.int64)) is None:
-        pytest.skip("no C compiler: the torch code runs")
+        pytest.skip("C helpers off: the torch code runs")
 
 
 @pytest.mark.parametrize("dtype,state_cols", [

@@ -16,7 +16,7 @@ def index_loops(request, monkeypatch):
     if request.param == "torch":
         monkeypatch.setattr(row_index.NATIVE, "enabled", False)
     elif row_index.NATIVE.get() is None:
-        pytest.skip("no C compiler: the torch reference runs")
+        pytest.skip("C helpers off: the torch reference runs")
     return request.param
 
 
@@ -69,7 +69,7 @@ def test_an_insert_past_max_probe_lays_the_index_out_larger(index_loops, monkeyp
 
 def test_the_c_loops_read_and_change_a_layout_the_reference_wrote(monkeypatch):
     if row_index.NATIVE.get() is None:
-        pytest.skip("no C compiler")
+        pytest.skip("C helpers off")
     rng = np.random.default_rng(3)
     ids = rng.choice(10 ** 9, size=300, replace=False).astype(np.int64)
     rows = np.arange(300, dtype=np.int64)

@@ -9,7 +9,7 @@ import torch
 
 from cachedemb.storage import slab_victims
 
-pytestmark = pytest.mark.skipif(slab_victims.NATIVE.get() is None, reason="no C compiler: the numpy code runs")
+pytestmark = pytest.mark.skipif(slab_victims.NATIVE.get() is None, reason="C helpers off: the numpy code runs")
 
 
 @pytest.mark.parametrize("seed", range(6))

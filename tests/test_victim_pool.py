@@ -82,7 +82,7 @@ def test_pool_victims_equal_the_full_ranking(policy_name, seed, rescore, placeme
         pytest.skip("the C re-scoring serves the exact path on CPU (no kernel of its own)")
     if rescore == "c" and pool_native.union(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), 1,
                                             torch.zeros(1, dtype=torch.bool)) is None:
-        pytest.skip("no C compiler")
+        pytest.skip("C helpers off")
     g = random.Random(seed)
     policy = POLICIES[policy_name]
     C = 97
@@ -385,7 +385,7 @@ def test_pool_union_in_c_is_the_set_union(seed):
     across the windows joined at once, and host locations lie outside [0, C)); the mark is left all False."""
     if pool_native.union(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), 1,
                          torch.zeros(1, dtype=torch.bool)) is None:
-        pytest.skip("no C compiler: the torch union runs")
+        pytest.skip("C helpers off: the torch union runs")
     g = torch.Generator().manual_seed(seed)
     C = 500
     pool = torch.randperm(C, generator=g)[: int(torch.randint(0, C, (1,), generator=g))]
@@ -412,7 +412,7 @@ def test_pool_rescore_in_c_is_the_union_scored_and_pruned(kind, seed):
     slots = Slots(C, g)
     policy = POLICIES[["lfu", "lru", "lookahead"][kind]]
     if pool_native.kind(policy) != kind:
-        pytest.skip("no C compiler")
+        pytest.skip("C helpers off")
     protected = torch.rand(C + 1, generator=torch.Generator().manual_seed(seed)) < 0.2  # + the dump element
     pool = torch.tensor(g.sample(range(C), 150), dtype=torch.int64)
     joined = torch.tensor([g.randrange(-3, C + 3) for _ in range(200)], dtype=torch.int64)

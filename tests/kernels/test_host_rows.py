@@ -8,7 +8,7 @@ import torch
 from cachedemb.kernels import host_rows
 from cachedemb.kernels.row_copy import RowCopy, row_copy_many_torch, row_copy_torch
 
-pytestmark = pytest.mark.skipif(host_rows.NATIVE.get() is None, reason="no C compiler: the torch code runs")
+pytestmark = pytest.mark.skipif(host_rows.NATIVE.get() is None, reason="C helpers off: the torch code runs")
 
 
 def _torch(fn, monkeypatch):

@@ -13,7 +13,7 @@ from cachedemb import optim
 from cachedemb.kernels import host_sgd
 
 pytestmark = pytest.mark.skipif(host_sgd.NATIVE.get() is None or not host_sgd._fused_add(),
-                                reason="no C compiler, or torch's CPU add is not fused: the torch code runs")
+                                reason="C helpers off, or torch's CPU add is not fused: the torch code runs")
 
 
 def _torch_sgd(rows, idx, g, alpha):
