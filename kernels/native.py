@@ -21,6 +21,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -29,6 +30,7 @@ _STEM = "_native"
 NAMES = ("host_map", "host_rows", "host_sgd", "place_native", "pool_native", "record_copy", "row_index", "rowio",
          "slab_victims")
 _state: dict = {}  # "lib": the loaded library or None, "why": why it is None
+_LOCK = threading.Lock()
 HELPERS: dict[str, Helper] = {}
 
 
@@ -68,32 +70,35 @@ def _stale(lib: ctypes.CDLL, pkg: Path) -> str | None:
 
 def library() -> ctypes.CDLL | None:
     """The loaded library, or None (see `status()` for why); loaded once per process."""
-    if "why" not in _state:
-        _state["lib"], _state["why"] = None, "not built: the package was installed without a C compiler " \
-                                             "(or with CACHEDEMB_BUILD_NATIVE=0)"
-        path = library_path()
-        if sys.platform == "win32":
-            _state["why"] = "the C helpers are built on Linux and macOS only"
-        elif path is not None:
-            try:
-                lib = ctypes.CDLL(str(path))
-                changed = _stale(lib, path.parent)
-            except (OSError, AttributeError) as error:
-                _state["why"] = f"{path.name} did not load ({error})"
-                _warn(_state["why"])
-            else:
-                if changed is None:
-                    _state["lib"], _state["why"] = lib, None
-                else:
-                    _state["why"] = (f"{path.name} was built from another {changed} than the source tree holds: "
-                                     "`pip install -e .` (or scripts/setup_env.sh) rebuilds it")
-                    _warn(_state["why"])
+    with _LOCK:
+        if "why" not in _state:
+            _state["lib"], _state["why"] = _load()
     return _state["lib"]
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    if sys.platform == "win32":
+        return None, "the C helpers are built on Linux and macOS only"
+    path = library_path()
+    if path is None:
+        return None, "not built: the package was installed without a C compiler (or with CACHEDEMB_BUILD_NATIVE=0)"
+    try:
+        lib = ctypes.CDLL(str(path))
+        changed = _stale(lib, path.parent)
+    except (OSError, AttributeError) as error:
+        why = f"{path.name} did not load ({error})"
+    else:
+        if changed is None:
+            return lib, None
+        why = (f"{path.name} was built from another {changed} than the source tree holds: `pip install -e .` (or "
+               "scripts/setup_env.sh) rebuilds it")
+    _warn(why)
+    return None, why
 
 
 def _warn(why: str) -> None:
     warnings.warn(f"cachedemb: the C helpers are off ({why}); every helper runs its torch code instead (the same "
-                  "results, slower).", RuntimeWarning, stacklevel=4)
+                  "results, slower).", RuntimeWarning, stacklevel=5)
 
 
 def _switched_off() -> bool:
@@ -125,7 +130,8 @@ def status() -> str:
 
 class Helper:
     """One helper's C functions ({name: (argtypes, restype)}), typed on first use; `get()` is the library or None
-    (the caller then runs its pure path). `enabled` (tests switch it) starts from the run-time switches."""
+    (the caller then runs its pure path). The environment's switches are read at the first `get()`; `enabled`
+    (True) switches the helper off in-process: the tests and scripts/bench_native.py compare both paths so."""
 
     def __init__(self, name: str, signatures: dict):
         if name not in NAMES or name in HELPERS:
@@ -136,8 +142,7 @@ class Helper:
         HELPERS[name] = self
 
     def get(self) -> ctypes.CDLL | None:
-        if not self._tried:
-            self._tried = True
+        if not self._tried:  # two threads' first uses may both get here: both type the same functions
             lib = None if _switched_off() or self.name in disabled_helpers() else library()
             if lib is not None:
                 try:
@@ -147,5 +152,5 @@ class Helper:
                 except AttributeError as error:
                     _warn(f"{error}: the library predates this helper's C; reinstall the package")
                     lib = None
-            self._lib = lib
+            self._lib, self._tried = lib, True  # in this order: a thread seeing _tried sees the library
         return self._lib if self.enabled else None
