@@ -2,30 +2,23 @@
 
 On CPU a row copy through torch is a gather into scratch then a scatter (two passes over the rows), after two
 masked selections of the pairs in range: for the ~20-40k rows a batch moves at a 1-2.5% cache that is ~2-3.5 ms
-a batch on one core; one memcpy per row in C (`host_rows.c`, built on first use by kernels/native.py, called
-through ctypes without the GIL), skipping the pairs out of range itself, is about half. The torch code stays
-the reference: without a compiler, with `enabled` False, or where the tensors do not fit the fast path
+a batch on one core; one memcpy per row in C (`host_rows.c`, called through
+ctypes without the GIL), skipping the pairs out of range itself, is about half. The torch code stays
+the reference: without the C library (or with it off), or where the tensors do not fit the fast path
 (another device or dtype, not contiguous, overlapping memory, an accumulating copy) it runs; the tests compare
 both.
 """
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from .native import CFunctions
+from .native import Helper
 
-enabled = True  # False: the torch code (tests switch it)
 _BUMP = getattr(torch.autograd.graph, "increment_version", None)
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
-_C = CFunctions(Path(__file__).with_name("host_rows.c"),
-                {"cemb_copy_rows": ([_P, _I64, _P, _P, _I64, _P, _I64, _I64], None)})
-
-
-def _native():
-    return _C.get() if enabled else None
+NATIVE = Helper("host_rows", {"cemb_copy_rows": ([_P, _I64, _P, _P, _I64, _P, _I64, _I64], None)})
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -36,7 +29,7 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 def copy_rows(src2: torch.Tensor, src_idx: torch.Tensor, dst2: torch.Tensor, dst_idx: torch.Tensor, n) -> bool:
     """dst2[dst_idx[i]] = src2[src_idx[i]] for the first n pairs with both indices in range (2-D tensors, rows
     along dim 0), in one C pass. Returns False, having done nothing, where the fast path does not apply."""
-    c = _native()
+    c = NATIVE.get()
     if (c is None or _BUMP is None or src2.device.type != "cpu" or dst2.device.type != "cpu"
             or src_idx.device.type != "cpu" or dst_idx.device.type != "cpu" or src2.dtype != dst2.dtype
             or src2.dim() != 2 or dst2.dim() != 2 or src2.shape[1] != dst2.shape[1]

@@ -4,23 +4,20 @@ The torch code gathers a block's rows, adds the scaled gradient and scatters the
 that sit at random in a table of hundreds of MB, ~7 ms for the ~40k rows a batch of 4096 x 26 Zipf ids
 updates, a quarter of a CPU training step. `host_sgd.c` updates each row in place with the same fused
 multiply-add that torch's vectorized `add_(g, alpha=-lr)` performs (the same bits; the tests compare them over
-many shapes), prefetching the rows ahead: ~2.5 ms. The torch code stays the reference: without a compiler,
-without FMA, with `enabled` False, or where the tensors are not float32 CPU rows it runs.
+many shapes), prefetching the rows ahead: ~2.5 ms. The torch code stays the reference: without the C library
+(or with it off), without FMA, or where the tensors are not float32 CPU rows it runs.
 """
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from .native import CFunctions
+from .native import Helper
 
-enabled = True  # False: the torch code (tests switch it)
 _BUMP = getattr(torch.autograd.graph, "increment_version", None)
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
-_C = CFunctions(Path(__file__).with_name("host_sgd.c"),
-                {"cemb_sgd_rows": ([_P, _I64, _P, _I64, _P, _I64, ctypes.c_double], _I64)})
+NATIVE = Helper("host_sgd", {"cemb_sgd_rows": ([_P, _I64, _P, _I64, _P, _I64, ctypes.c_double], _I64)})
 
 
 def _fused_add() -> bool:
@@ -32,7 +29,7 @@ def _fused_add() -> bool:
 def sgd_rows(rows: torch.Tensor, idx: torch.Tensor, g: torch.Tensor, alpha: float) -> bool:
     """rows[idx] += alpha * g for distinct idx, as `w = rows[idx]; w.add_(g, alpha=alpha); rows[idx] = w`.
     Returns False, having done nothing, where the fast path does not apply."""
-    c = _C.get() if enabled else None
+    c = NATIVE.get()
     if (c is None or _BUMP is None or not _fused_add() or rows.device.type != "cpu" or g.device.type != "cpu"
             or idx.device.type != "cpu" or rows.dtype != torch.float32 or g.dtype != torch.float32
             or rows.dim() != 2 or g.dim() != 2 or g.shape[1] != rows.shape[1] or g.shape[0] != idx.numel()

@@ -1,46 +1,17 @@
-"""A stable sort of host integer keys with its permutation, several times faster than `torch.sort` on CPU.
+"""A stable sort of host integer keys with its permutation, faster than `torch.sort(stable=True)` on CPU.
 
 Every CPU batch sorts its ids once (distinct ids, inverse, lookup groups), and the prefetch read-ahead sorts each
 batch it reads. Each key is packed with its position, `(key - low) << bits | position`, so all packed keys are
 distinct and any sort of them is the stable sort of the keys: the permutation is the low bits, the key the high
-ones. The packed keys are sorted by an LSD radix sort over the key's bits in C (`host_sort.c`, built on first use
-by kernels/native.py, no GIL): 106k keys of a 8M-row table (23 bits, two passes) take ~0.5 ms on one core, where
-numpy's comparison sort of the packed keys took 4.1 ms and `torch.sort(stable=True)` 1.7 ms on the same 2-core
-EPYC box (numpy's vectorized sort is fast only where its SIMD dispatch applies: ~0.6 ms on the box this was
-first measured on). Without a compiler, with `enabled` False, or for keys spanning more than 48 bits, numpy
-sorts the packed keys; where those would not fit in 63 bits (raw 64-bit ids), or on a device, `torch.sort` is
-used: the same result every way (the tests compare them).
+ones; numpy sorts the packed keys (distinct, so its quicksort's order is the stable one). A C radix sort of
+them was measured against this and dropped: about 1 ms a sort of 106k ids saved, under 5% of a CPU step
+(benchmarks/results/native_helpers_cpu.json). For keys spanning more than 62 bits with their positions (raw
+64-bit ids), or on a device, `torch.sort` is used: the same result every way (the tests compare them).
 """
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import numpy as np
 import torch
-
-from .native import CFunctions
-
-enabled = True  # False: numpy sorts the packed keys (tests switch it)
-RADIX_MIN = 256  # fewer keys: numpy's sort (the radix passes' fixed cost is ~4k bins each)
-_I64, _P = ctypes.c_int64, ctypes.c_void_p
-_C = CFunctions(Path(__file__).with_name("host_sort.c"),
-                {"cemb_radix_sort": ([_P, _I64, _I64, _I64, _I64, _P, _P], ctypes.c_int)})
-
-
-def _radix(keys: torch.Tensor, low: int, high: int, bits: int):
-    """(values, perm) by the C radix sort, or None where it does not apply."""
-    n = keys.numel()
-    kbits = (high - low).bit_length()
-    c = _C.get() if enabled and n >= RADIX_MIN and kbits <= 48 else None
-    if c is None:
-        return None
-    src = keys.to(torch.int64).contiguous()
-    values = torch.empty(n, dtype=torch.int64)
-    perm = torch.empty(n, dtype=torch.int64)
-    if not c.cemb_radix_sort(src.data_ptr(), n, low, kbits, bits, values.data_ptr(), perm.data_ptr()):
-        return None
-    return values.to(keys.dtype), perm
 
 
 def _packable(low: int, high: int, bits: int) -> bool:
@@ -60,9 +31,6 @@ def stable_sort(keys: torch.Tensor, bounds: tuple[int, int] | None = None) -> tu
     bits = max(1, (n - 1).bit_length())
     if low < -(1 << 62) or high >= (1 << 62) or not _packable(low, high, bits):
         return torch.sort(keys, stable=True)
-    fast = _radix(keys, low, high, bits)
-    if fast is not None:
-        return fast
     packed = keys.to(torch.int64)
     if low:
         packed = packed - low

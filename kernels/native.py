@@ -1,99 +1,156 @@
-"""Small C helpers compiled on first use with the system's `cc`, loaded with ctypes (which releases the GIL for
-each call); every caller keeps a Python path for machines without a compiler, and the tests run both.
+"""The package's C helpers: one shared library, `cachedemb/_native*.so`, built by the package build (setup.py)
+where a compiler is at hand and loaded here with ctypes (which releases the GIL for each call).
 
-The library is built once into a per-user cache keyed by the source's hash (about 0.1 s) and shared between
-processes (an atomic rename: concurrent first uses each build, one wins). `CACHEDEMB_NATIVE=0` (or the caller's
-own switch) turns them off. Where a compiler is at hand but a helper does not build or load, a RuntimeWarning
-says which (once per process and file): the callers' torch code gives the same results, only slower.
+Nothing is compiled or written at run time, and the library is loaded from the package directory only (its
+name carries the interpreter's platform tag, so a library built for another machine is never picked up). Each
+helper module declares its C functions with `Helper(name, signatures)` and asks `helper.get()` for them: the
+library with those functions typed, or None, and the caller runs its torch / numpy / Python code, which stays
+the reference the tests compare against. None where
+- the package was installed without the library (no compiler at build time, or CACHEDEMB_BUILD_NATIVE=0);
+- the library was built from other C sources than the source tree beside it holds (an editable install whose C
+  changed since: `pip install -e .` or scripts/setup_env.sh rebuilds it; a RuntimeWarning says so, once);
+- `CACHEDEMB_NATIVE=0` is set (every helper: the one run-time switch);
+- the helper's name is in `CACHEDEMB_NATIVE_DISABLE` (comma-separated, e.g. `host_sort,rowio`: for timing one
+  helper against its pure path, scripts/bench_native.py), or a test set the helper's `enabled` to False.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
+import threading
 import warnings
 from pathlib import Path
 
-_LOADED: dict[Path, ctypes.CDLL | None] = {}
+_STEM = "_native"
+# The helpers, by the names `Helper` and CACHEDEMB_NATIVE_DISABLE take (each its C file's stem).
+NAMES = ("host_map", "host_rows", "host_sgd", "place_native", "pool_native", "record_copy", "row_index", "rowio",
+         "slab_victims")
+_state: dict = {}  # "lib": the loaded library or None, "why": why it is None
+_LOCK = threading.Lock()
+HELPERS: dict[str, Helper] = {}
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cachedemb"
+def _package_dir() -> Path | None:
+    spec = importlib.util.find_spec("cachedemb")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return Path(locations[0]) if locations else None
 
 
-def _digest(source: Path) -> str:
-    """The build's key: the source and the local headers it includes (`#include "x.h"`, beside it), so a changed
-    header builds anew."""
-    text = source.read_bytes()
-    h = hashlib.sha256(text)
-    for line in text.decode(errors="replace").splitlines():
-        line = line.strip()
-        if line.startswith("#include") and '"' in line:
-            header = source.with_name(line.split('"')[1])
-            h.update(header.read_bytes() if header.is_file() else b"")
-    return h.hexdigest()[:16]
+def library_path() -> Path | None:
+    """The library file in the package directory for this interpreter, or None (not built)."""
+    pkg = _package_dir()
+    if pkg is None:
+        return None
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = pkg / f"{_STEM}{suffix}"
+        if path.is_file():
+            return path
+    return None
 
 
-def load_c(source: Path) -> ctypes.CDLL | None:
-    """The compiled library of a C file, or None (no compiler, Windows, the build failed, or disabled)."""
-    source = Path(source)
-    if source in _LOADED:
-        return _LOADED[source]
-    lib = None
-    if os.environ.get("CACHEDEMB_NATIVE", "1") != "0" and sys.platform != "win32" and source.is_file():
-        cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-        if cc is not None:
-            digest = _digest(source)
-            target = _cache_dir() / f"{source.stem}-{digest}-{sys.platform}.so"
-            try:
-                if not target.is_file():
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                        built = Path(tmp) / target.name
-                        subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(source)], check=True,
-                                       capture_output=True, timeout=60)
-                        os.replace(built, target)
-                lib = ctypes.CDLL(str(target))
-            except (OSError, subprocess.SubprocessError) as error:
-                lib = None
-                _warn_unbuilt(source, cc, error)
-    _LOADED[source] = lib
-    return lib
+def _stale(lib: ctypes.CDLL, pkg: Path) -> str | None:
+    """Where the library was built from other sources than a source tree beside the package holds (an editable
+    install), the first such file; None for an installed wheel (no sources) or a library that matches."""
+    root = pkg.parent
+    if not (root / "setup.py").is_file():
+        return None
+    fn = lib.cemb_build_sources
+    fn.argtypes, fn.restype = [], ctypes.c_char_p
+    for entry in fn().decode().split(";"):
+        path, _, digest = entry.partition("=")
+        source = root / path
+        if not source.is_file() or hashlib.sha256(source.read_bytes()).hexdigest()[:16] != digest:
+            return path
+    return None
 
 
-def _warn_unbuilt(source: Path, cc: str, error: Exception) -> None:
-    """A compiler is here but the helper did not build or load: the results stay the same (the callers run their
-    torch code), only slower, so say so once rather than leave a user to find the step times out of line."""
-    detail = getattr(error, "stderr", None)
-    if isinstance(detail, bytes):
-        detail = detail.decode(errors="replace")
-    lines = [line.strip() for line in (detail or str(error)).splitlines() if line.strip()]
-    first = next((line for line in lines if "error" in line.lower()), lines[0] if lines else str(error))
-    warnings.warn(f"cachedemb: the C helper {source.name} did not build or load with {cc} ({first}); its "
-                  "callers run their torch code instead (the same results, slower). CACHEDEMB_NATIVE=0 turns the "
-                  "C helpers off.", RuntimeWarning, stacklevel=3)
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None (see `status()` for why); loaded once per process."""
+    with _LOCK:
+        if "why" not in _state:
+            _state["lib"], _state["why"] = _load()
+    return _state["lib"]
 
 
-class CFunctions:
-    """A C file's functions with their ctypes signatures ({name: (argtypes, restype)}), built and typed on first
-    use; `get()` is None where the file cannot be built (each caller keeps its own switch for the tests)."""
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    if sys.platform == "win32":
+        return None, "the C helpers are built on Linux and macOS only"
+    path = library_path()
+    if path is None:
+        return None, "not built: the package was installed without a C compiler (or with CACHEDEMB_BUILD_NATIVE=0)"
+    try:
+        lib = ctypes.CDLL(str(path))
+        changed = _stale(lib, path.parent)
+    except (OSError, AttributeError) as error:
+        why = f"{path.name} did not load ({error})"
+    else:
+        if changed is None:
+            return lib, None
+        why = (f"{path.name} was built from another {changed} than the source tree holds: `pip install -e .` (or "
+               "scripts/setup_env.sh) rebuilds it")
+    _warn(why)
+    return None, why
 
-    def __init__(self, source: Path, signatures: dict):
-        self.source, self.signatures = Path(source), signatures
+
+def _warn(why: str) -> None:
+    warnings.warn(f"cachedemb: the C helpers are off ({why}); every helper runs its torch code instead (the same "
+                  "results, slower).", RuntimeWarning, stacklevel=5)
+
+
+def _switched_off() -> bool:
+    return os.environ.get("CACHEDEMB_NATIVE", "1").strip() == "0"
+
+
+def disabled_helpers() -> set[str]:
+    """The helpers CACHEDEMB_NATIVE_DISABLE names (comma-separated); an unknown name is an error."""
+    names = {n.strip() for n in os.environ.get("CACHEDEMB_NATIVE_DISABLE", "").split(",") if n.strip()}
+    unknown = sorted(names - set(NAMES))
+    if unknown:
+        raise ValueError(f"CACHEDEMB_NATIVE_DISABLE names unknown helpers {unknown}; expected some of {list(NAMES)}")
+    return names
+
+
+def native_available() -> bool:
+    """Whether the C helpers run: the library is installed, loads and matches its sources, and CACHEDEMB_NATIVE
+    is not 0. False means every helper runs its pure torch / numpy / Python path (the same results, slower)."""
+    return library() is not None and not _switched_off()
+
+
+def status() -> str:
+    """A line saying whether the C helpers run, and why not."""
+    if _switched_off():
+        return "off: CACHEDEMB_NATIVE=0"
+    lib = library()
+    return f"on: {library_path()}" if lib is not None else f"off: {_state['why']}"
+
+
+class Helper:
+    """One helper's C functions ({name: (argtypes, restype)}), typed on first use; `get()` is the library or None
+    (the caller then runs its pure path). The environment's switches are read at the first `get()`; `enabled`
+    (True) switches the helper off in-process: the tests and scripts/bench_native.py compare both paths so."""
+
+    def __init__(self, name: str, signatures: dict):
+        if name not in NAMES or name in HELPERS:
+            raise ValueError(f"native helper {name!r} is unknown or declared twice; expected one of {list(NAMES)}")
+        self.name, self.signatures = name, signatures
+        self.enabled = True
         self._lib, self._tried = None, False
+        HELPERS[name] = self
 
     def get(self) -> ctypes.CDLL | None:
-        if not self._tried:
-            self._tried = True
-            lib = load_c(self.source)
+        if not self._tried:  # two threads' first uses may both get here: both type the same functions
+            lib = None if _switched_off() or self.name in disabled_helpers() else library()
             if lib is not None:
-                for name, (args, result) in self.signatures.items():
-                    fn = getattr(lib, name)
-                    fn.argtypes, fn.restype = args, result
-            self._lib = lib
-        return self._lib
+                try:
+                    for fn_name, (args, result) in self.signatures.items():
+                        fn = getattr(lib, fn_name)
+                        fn.argtypes, fn.restype = args, result
+                except AttributeError as error:
+                    _warn(f"{error}: the library predates this helper's C; reinstall the package")
+                    lib = None
+            self._lib, self._tried = lib, True  # in this order: a thread seeing _tried sees the library
+        return self._lib if self.enabled else None

@@ -9,8 +9,9 @@
 #   bash scripts/check_versions.sh --keep           # keep the venvs (their paths are printed)
 #   bash scripts/check_versions.sh --ref HEAD       # test a commit (exported to the temp dir), not the work tree
 #
-# Exits 1 when a suite had failures or errors (after writing the file). torchrec / fbgemm are left out: their
-# tests skip themselves.
+# The install builds the C helpers (CACHEDEMB_REQUIRE_NATIVE=1: without a compiler it fails instead of installing
+# the pure paths), and the suite runs with CI=true (it fails unless they load). Exits 1 when a suite had failures or
+# errors (after writing the file). torchrec / fbgemm are left out: their tests skip themselves.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-python3}"  # 3.11+ (tomllib); also the venvs' Python
@@ -74,7 +75,7 @@ for row in "${MATRIX[@]}"; do
   "$python" -m venv "$env"
   if ! "$env/bin/pip" install -q "torch==$torch_v" "triton==$triton_v" "$numpy_spec" "${test_reqs[@]}" \
        > "$work/install-$label.log" 2>&1 ||
-     ! "$env/bin/pip" install -q --no-deps -e "$src" >> "$work/install-$label.log" 2>&1; then
+     ! CACHEDEMB_REQUIRE_NATIVE=1 "$env/bin/pip" install -q --no-deps -e "$src" >> "$work/install-$label.log" 2>&1; then
     grep -v '^WARNING: Location' "$work/install-$label.log" | tail -20 >&2
     echo "$label: install failed" >&2
     exit 1
@@ -82,7 +83,8 @@ for row in "${MATRIX[@]}"; do
   install_s=$((SECONDS - t0))
   t0=$SECONDS
   rc=0
-  (cd "$src" && TRITON_INTERPRET=1 "$env/bin/python" -m pytest -q -p no:cacheprovider -o junit_family=xunit1 \
+  # CI=true: the session fails unless the C helpers loaded (the install above built them with build isolation).
+  (cd "$src" && CI=true TRITON_INTERPRET=1 "$env/bin/python" -m pytest -q -p no:cacheprovider -o junit_family=xunit1 \
      --junitxml="$work/junit-$label.xml" tests > "$work/pytest-$label.log" 2>&1) || rc=$?
   test_s=$((SECONDS - t0))
   tail -3 "$work/pytest-$label.log"

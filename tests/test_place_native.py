@@ -1,8 +1,8 @@
-"""The CPU cache's placement bookkeeping and victim scores in C (cachedemb/cache/place_native.c, score_native.c)
-against the torch code of EmbeddingCache._place and the policies: the same results and the same cache state
-after every step (slots, map, metadata, protection, counters, row moves), per batch and through prefetch
-windows, at caches from far smaller than a batch to larger than the table, with padding ids and both victim
-policies."""
+"""The CPU cache's placement bookkeeping and the victim pool's re-scoring in C (cachedemb/cache/place_native.c,
+pool_native.c) against the torch code of EmbeddingCache._place and the policies: the same results and the same
+cache state after every step (slots, map, metadata, protection, counters, row moves), per batch and through
+prefetch windows, at caches from far smaller than a batch to larger than the table, with padding ids and both
+victim policies."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,9 +11,9 @@ import torch
 
 import cachedemb
 from cachedemb import optim
-from cachedemb.cache import place_native, pool_native, score_native
+from cachedemb.cache import place_native, pool_native
 
-pytestmark = pytest.mark.skipif(place_native.native() is None, reason="no C compiler: the torch code runs")
+pytestmark = pytest.mark.skipif(place_native.NATIVE.get() is None, reason="C helpers off: the torch code runs")
 
 
 def batches(num, steps, bags=16, bag_len=6, seed=0, alpha=1.1):
@@ -35,8 +35,8 @@ def state(emb):
 
 
 def run(native: bool, cache_rows, spec, padding_idx, prefetch, monkeypatch, steps=30):
-    monkeypatch.setattr(place_native, "enabled", native)
-    monkeypatch.setattr(score_native, "enabled", native)  # the victims' scores too: the reference is all torch
+    monkeypatch.setattr(place_native.NATIVE, "enabled", native)
+    monkeypatch.setattr(pool_native.NATIVE, "enabled", native)  # the victims' scores too: the reference is all torch
     torch.manual_seed(0)
     emb = cachedemb.CachedEmbeddingBag(300, 4, mode="sum", cache_rows=cache_rows, device="cpu", optimizer=spec,
                                        padding_idx=padding_idx)
@@ -87,10 +87,10 @@ def test_an_id_outside_the_map_leaves_the_c_loops_and_raises_as_the_torch_code_d
         cache._place(torch.tensor([3, 60]), torch.tensor([2]), cache.policy)
     assert torch.equal(cache.protected, before)  # nothing half-applied by the C loop
     with pytest.raises(IndexError, match="victim slots"):
-        found = place_native.find(place_native.native(), torch.tensor([1]), 1, cache.id_slot, cache.capacity,
+        found = place_native.find(place_native.NATIVE.get(), torch.tensor([1]), 1, cache.id_slot, cache.capacity,
                                   cache.protected.clone())
-        place_native.commit(place_native.native(), found, cache.protected.clone(), torch.tensor([cache.capacity]), 1,
-                            cache.capacity, cache.id_slot.clone(), cache.slot_ids.clone(), cache.dirty.clone(),
+        place_native.commit(place_native.NATIVE.get(), found, cache.protected.clone(),
+                            torch.tensor([cache.capacity]), 1, cache.capacity, cache.id_slot.clone(), cache.slot_ids.clone(), cache.dirty.clone(),
                             cache.slot_last_use.clone(), 1)
 
 
@@ -105,8 +105,7 @@ def test_under_the_cuda_rules_no_c_loop_runs(monkeypatch):
     monkeypatch.setattr(place_native, "find", refuse)
     monkeypatch.setattr(place_native, "set_protection", refuse)
     monkeypatch.setattr(pool_native, "union", refuse)
-    monkeypatch.setattr(score_native, "score", refuse)
-    monkeypatch.setattr(score_native, "next_use", refuse)
+    monkeypatch.setattr(pool_native, "rescore", refuse)
     torch.manual_seed(0)
     emb = cachedemb.CachedEmbeddingBag(300, 4, mode="sum", cache_rows=40, device="cpu", optimizer=optim.SGD(lr=0.1))
     for ids in cachedemb.prefetch(batches(300, 12), [emb], depth=2, horizon=4):
@@ -118,8 +117,8 @@ def test_eval_batches_and_host_served_misses_count_as_the_torch_code_does(cache_
     """prepare's use counts (cemb_count_uses): training batches count into slots, the host table (misses past a
     small cache) and the dump; eval batches only count lookups. Same counters and counts as the torch code."""
     def trained(native):
-        monkeypatch.setattr(place_native, "enabled", native)
-        monkeypatch.setattr(score_native, "enabled", native)
+        monkeypatch.setattr(place_native.NATIVE, "enabled", native)
+        monkeypatch.setattr(pool_native.NATIVE, "enabled", native)
         torch.manual_seed(0)
         emb = cachedemb.CachedEmbeddingBag(300, 4, mode="sum", cache_rows=cache_rows, device="cpu",
                                            optimizer=optim.SGD(lr=0.1), padding_idx=3)

@@ -211,9 +211,9 @@ def test_window_protection_count_is_kept_in_step_with_the_mask(depth, loops, mon
     from cachedemb.cache import place_native
 
     if loops == "torch":
-        monkeypatch.setattr(place_native, "enabled", False)
-    elif place_native.native() is None:
-        pytest.skip("no C compiler: the torch code runs")
+        monkeypatch.setattr(place_native.NATIVE, "enabled", False)
+    elif place_native.NATIVE.get() is None:
+        pytest.skip("C helpers off: the torch code runs")
     batches = zipf_batches(500, 30, bags=6, bag_len=5, seed=4)
     emb = make(cache_rows=120)
     for ids, offsets in cachedemb.prefetch(batches, [emb], depth=depth, horizon=8, overlap=True):
@@ -228,16 +228,13 @@ def test_window_protection_count_is_kept_in_step_with_the_mask(depth, loops, mon
         emb(ids, offsets).sum().backward()
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c", "torch"])
-def test_a_snapshots_next_uses_are_taken_as_they_are_only_while_no_slot_changed(native, monkeypatch):
+def test_a_snapshots_next_uses_are_taken_as_they_are_only_while_no_slot_changed():
     """A window's next uses come from a slot-id snapshot taken one window earlier. While no slot changed since
     (the cache's slot epoch), the read-ahead's tensor is the policy's input as it is (no O(cache) pass on the
     training thread); after a batch admitted rows, the slots whose id changed count as unused, as before."""
-    from cachedemb.cache import score_native
     from cachedemb.cache.embedding_cache import SlotNextUse
     from cachedemb.cache.sync_mode import counts_on_host
 
-    monkeypatch.setattr(score_native, "enabled", native)
     emb = cachedemb.CachedEmbeddingBag(100, 4, mode="sum", cache_rows=10, device="cpu", optimizer=optim.SGD(lr=0.1))
     emb(torch.arange(10), torch.tensor([0])).sum().backward()
     cache = emb.cache
@@ -262,7 +259,7 @@ def test_a_snapshots_next_uses_are_taken_as_they_are_only_while_no_slot_changed(
 def test_slot_uses_relative_are_the_first_uses_counted_from_now(native, monkeypatch):
     from cachedemb.prefetch import host_map
 
-    monkeypatch.setattr(host_map, "enabled", native)
+    monkeypatch.setattr(host_map.NATIVE, "enabled", native)
     g = np.random.default_rng(2)
     tracker = NextUseTracker(None, span=16)
     for b in range(12):

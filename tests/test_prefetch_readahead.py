@@ -23,9 +23,9 @@ from cachedemb.prefetch.windows import FILL
 def map_loops(request, monkeypatch):
     """The tracker's per-id loops in C (prefetch/host_map.c, where a compiler exists) and in torch."""
     if request.param == "torch":
-        monkeypatch.setattr(host_map, "enabled", False)
-    elif host_map.lib() is None:
-        pytest.skip("no C compiler: the torch loops run")
+        monkeypatch.setattr(host_map.NATIVE, "enabled", False)
+    elif host_map.NATIVE.get() is None:
+        pytest.skip("C helpers off: the torch loops run")
     return request.param
 
 
@@ -200,9 +200,9 @@ def test_id_map_of_ids_coming_and_going_is_not_laid_out_again(map_loops):
 
 
 def test_a_c_insert_that_would_leave_the_tail_changes_nothing():
-    c = host_map.lib()
+    c = host_map.NATIVE.get()
     if c is None:
-        pytest.skip("no C compiler")
+        pytest.skip("C helpers off")
     keys = torch.full((20,), -1, dtype=torch.int64)
     keys[:18] = torch.arange(100, 118)
     keys[3] = -2  # a TOMB the first insert may take

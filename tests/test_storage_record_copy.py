@@ -12,7 +12,7 @@ from cachedemb.storage.record_copy import RecordFields
 def needs_c():
     layout = RecordLayout(3, torch.float32, (), torch.float32)
     if RecordFields.of(layout, torch.zeros(1, 3), {}, torch.zeros(1, dtype=torch.int64)) is None:
-        pytest.skip("no C compiler: the torch code runs")
+        pytest.skip("C helpers off: the torch code runs")
 
 
 @pytest.mark.parametrize("dtype,state_cols", [
@@ -70,7 +70,7 @@ def test_file_backed_training_is_the_same_through_either_path(spec, tmp_path, mo
     """Loads (reader threads), write-backs and rows served from in-flight writes through the C pass and through
     the torch code: the same table, the same file records."""
     def train(c_pass: bool, name: str):
-        monkeypatch.setattr(record_copy, "enabled", c_pass)
+        monkeypatch.setattr(record_copy.NATIVE, "enabled", c_pass)
         torch.manual_seed(0)
         emb = cachedemb.CachedEmbeddingBag(3000, 4, mode="sum", cache_rows=60, device="cpu", optimizer=spec,
                                            storage=cachedemb.FileStorage(tmp_path / name, host_cache_bytes=30_000))
@@ -78,7 +78,7 @@ def test_file_backed_training_is_the_same_through_either_path(spec, tmp_path, mo
         for _ in range(25):
             ids = (torch.rand(96, generator=g) ** 2 * 3000).long()
             emb(ids, torch.arange(0, 96, 6)).sum().backward()
-        assert (emb.host._fields() is not None) == (c_pass and record_copy._C.get() is not None)
+        assert (emb.host._fields() is not None) == (c_pass and record_copy.NATIVE.get() is not None)
         out = emb.export_state_dict()
         stats = dict(emb.host.stats)
         emb.close()

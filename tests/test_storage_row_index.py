@@ -14,9 +14,9 @@ from cachedemb.storage.row_index import RowIndex
 @pytest.fixture(params=["c", "torch"])
 def index_loops(request, monkeypatch):
     if request.param == "torch":
-        monkeypatch.setattr(row_index, "enabled", False)
-    elif row_index._native() is None:
-        pytest.skip("no C compiler: the torch reference runs")
+        monkeypatch.setattr(row_index.NATIVE, "enabled", False)
+    elif row_index.NATIVE.get() is None:
+        pytest.skip("C helpers off: the torch reference runs")
     return request.param
 
 
@@ -68,20 +68,20 @@ def test_an_insert_past_max_probe_lays_the_index_out_larger(index_loops, monkeyp
 
 
 def test_the_c_loops_read_and_change_a_layout_the_reference_wrote(monkeypatch):
-    if row_index._native() is None:
-        pytest.skip("no C compiler")
+    if row_index.NATIVE.get() is None:
+        pytest.skip("C helpers off")
     rng = np.random.default_rng(3)
     ids = rng.choice(10 ** 9, size=300, replace=False).astype(np.int64)
     rows = np.arange(300, dtype=np.int64)
     index = RowIndex(256)
-    monkeypatch.setattr(row_index, "enabled", False)
+    monkeypatch.setattr(row_index.NATIVE, "enabled", False)
     index.insert(ids, rows, lambda: (np.empty(0, np.int64), np.empty(0, np.int64)))
     index.delete(ids[:100])
-    monkeypatch.setattr(row_index, "enabled", True)
+    monkeypatch.setattr(row_index.NATIVE, "enabled", True)
     assert np.array_equal(index.lookup(ids[100:]), rows[100:])
     assert (index.lookup(ids[:100]) == -1).all()
     index.insert(ids[:100], rows[:100], lambda: (ids[100:], rows[100:]))  # reuses the reference's tombstones
-    monkeypatch.setattr(row_index, "enabled", False)
+    monkeypatch.setattr(row_index.NATIVE, "enabled", False)
     assert np.array_equal(index.lookup(ids), rows)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from cachedemb.storage import slab_victims
 
-pytestmark = pytest.mark.skipif(slab_victims._C.get() is None, reason="no C compiler: the numpy code runs")
+pytestmark = pytest.mark.skipif(slab_victims.NATIVE.get() is None, reason="C helpers off: the numpy code runs")
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -35,7 +35,7 @@ def test_training_on_a_file_evicts_the_same_rows(tmp_path, monkeypatch):
     from cachedemb import optim
 
     def train(enabled, name):
-        monkeypatch.setattr(slab_victims, "enabled", enabled)
+        monkeypatch.setattr(slab_victims.NATIVE, "enabled", enabled)
         torch.manual_seed(0)
         emb = cachedemb.CachedEmbeddingBag(
             2000, 8, mode="sum", cache_rows=64, device="cpu", optimizer=optim.Adagrad(lr=0.1),

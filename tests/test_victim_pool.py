@@ -11,7 +11,7 @@ import cachedemb
 from cachedemb import optim
 from cachedemb.kernels import PROTECTED, victim_select_torch
 from cachedemb.cache.policy import POLICIES, SlotView
-from cachedemb.cache import pool_native, score_native
+from cachedemb.cache import pool_native
 from cachedemb.cache.victim_pool import VictimPool
 from conftest import skip_triton_on_cpu_without_interpreter
 
@@ -62,7 +62,7 @@ def brute_force(policy, slots: Slots, protected, n: int) -> list[int]:
 def c_rescore(slots: Slots, protected):
     """VictimPool.choose's `rescore` over `slots` under `protected`, as EmbeddingCache._rescore_pool gives it."""
     def rescore(policy, pool, joined, bound, mark, scratch, drop_protected=False):
-        return pool_native.rescore(score_native.kind(policy), pool, joined, slots.C, slots.ids, slots.freq,
+        return pool_native.rescore(pool_native.kind(policy), pool, joined, slots.C, slots.ids, slots.freq,
                                    slots.last, slots.next, protected, bound, mark, scratch, drop_protected)
     return rescore
 
@@ -82,7 +82,7 @@ def test_pool_victims_equal_the_full_ranking(policy_name, seed, rescore, placeme
         pytest.skip("the C re-scoring serves the exact path on CPU (no kernel of its own)")
     if rescore == "c" and pool_native.union(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), 1,
                                             torch.zeros(1, dtype=torch.bool)) is None:
-        pytest.skip("no C compiler")
+        pytest.skip("C helpers off")
     g = random.Random(seed)
     policy = POLICIES[policy_name]
     C = 97
@@ -343,7 +343,7 @@ def test_window_slots_above_the_bound_leave_the_pool(overlap, union, monkeypatch
     import numpy as np
 
     if union == "torch":
-        monkeypatch.setattr(pool_native, "enabled", False)
+        monkeypatch.setattr(pool_native.NATIVE, "enabled", False)
     rng = np.random.default_rng(3)
     p = np.arange(1, 20001, dtype=np.float64) ** -1.05
     p /= p.sum()
@@ -385,7 +385,7 @@ def test_pool_union_in_c_is_the_set_union(seed):
     across the windows joined at once, and host locations lie outside [0, C)); the mark is left all False."""
     if pool_native.union(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), 1,
                          torch.zeros(1, dtype=torch.bool)) is None:
-        pytest.skip("no C compiler: the torch union runs")
+        pytest.skip("C helpers off: the torch union runs")
     g = torch.Generator().manual_seed(seed)
     C = 500
     pool = torch.randperm(C, generator=g)[: int(torch.randint(0, C, (1,), generator=g))]
@@ -411,8 +411,8 @@ def test_pool_rescore_in_c_is_the_union_scored_and_pruned(kind, seed):
     C = 400
     slots = Slots(C, g)
     policy = POLICIES[["lfu", "lru", "lookahead"][kind]]
-    if score_native.kind(policy) != kind:
-        pytest.skip("no C compiler")
+    if pool_native.kind(policy) != kind:
+        pytest.skip("C helpers off")
     protected = torch.rand(C + 1, generator=torch.Generator().manual_seed(seed)) < 0.2  # + the dump element
     pool = torch.tensor(g.sample(range(C), 150), dtype=torch.int64)
     joined = torch.tensor([g.randrange(-3, C + 3) for _ in range(200)], dtype=torch.int64)
@@ -448,3 +448,35 @@ def test_where_counts_are_on_the_host_the_pool_keeps_two_batches_or_every_slot()
         assert victims[:k].tolist() == brute_force(POLICIES["lfu"], slots, protected, k)
         assert pool.slots.numel() == size
     assert torch.equal(pool.slots, torch.arange(C))  # 20 + 100 + 200 > C / 3: every slot
+
+
+def capped_metadata(c, seed):
+    """Slot metadata with counts and uses past the policies' caps (the look-ahead's 2^24 count, the tier)."""
+    g = torch.Generator().manual_seed(seed)
+    slot_ids = torch.randint(-1, 50, (c + 1,), generator=g)
+    freq = torch.randint(0, 100, (c + 1,), generator=g)
+    freq[:3] = torch.tensor([(1 << 24) + 5, (1 << 33) + 1, 1 << 62])
+    last_use = torch.randint(0, 1000, (c + 1,), generator=g)
+    last_use[3] = (1 << 34)
+    next_use = torch.randint(-1, 20, (c,), generator=g)
+    next_use[4] = (1 << 33)
+    protected = torch.rand(c, generator=g) < 0.2
+    return slot_ids, freq, last_use, next_use, protected
+
+
+@pytest.mark.parametrize("policy_name", ["lfu", "lru", "lookahead"])
+def test_the_pools_c_rescoring_scores_as_the_policy_past_the_caps(policy_name):
+    """pool_native.rescore's scores (slot_score.h) equal the policy's torch code bit for bit where counts and
+    uses pass the caps, empty and protected slots included."""
+    policy = POLICIES[policy_name]
+    if pool_native.kind(policy) is None:
+        pytest.skip("the C library is not installed (or CACHEDEMB_NATIVE=0)")
+    c = 97
+    slot_ids, freq, last_use, next_use, protected = capped_metadata(c, 2)
+    pool = torch.randperm(c, generator=torch.Generator().manual_seed(3))[:60]
+    got = pool_native.rescore(pool_native.kind(policy), pool, torch.arange(c), c, slot_ids, freq, last_use,
+                              next_use, protected, 0, torch.zeros(c, dtype=torch.bool))
+    union = torch.cat([pool, torch.tensor(sorted(set(range(c)) - set(pool.tolist())), dtype=torch.int64)])
+    assert torch.equal(got.union, union)
+    view = SlotView(slot_ids[union], freq[union], last_use[union], next_use[union], protected[union], None, union, c)
+    assert torch.equal(got.score, policy(view))

@@ -32,7 +32,7 @@ from cachedemb.cache.host_memory import host_empty, pinned_copy
 from cachedemb.kernels import PROTECTED, id_index
 from cachedemb.kernels.gather import take
 from cachedemb.cache.policy import Policy, SlotView, resolve, score_kernel
-from cachedemb.cache import device_place, place_native, pool_native, score_native
+from cachedemb.cache import device_place, place_native, pool_native
 from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.victim_pool import VictimPool
 
@@ -397,7 +397,7 @@ class EmbeddingCache:
             loc_u, live, n_hit, n_miss, _ = self._place(uniq, n_uniq, self.policy)
             if in_window and train and self.window_misses_mean_other_ids:
                 self.unread_ahead += n_miss.reshape(1)
-        c = place_native.native()
+        c = place_native.NATIVE.get()
         lookups = None if c is None else place_native.count_uses(
             c, loc_u, live, counts, inverse, self.dump, self.batch_counter, self.slot_freq, self.slot_last_use,
             self.host_freq, train)
@@ -515,13 +515,8 @@ class EmbeddingCache:
             return
         ids = next_use.ids.to(self.device, non_blocking=True)
         uses = next_use.uses.to(self.device, non_blocking=True)
-        # C on the host-count path only: under the CUDA rules the CPU run stands for the device's op sequence
-        fast = score_native.next_use(self.slot_ids, ids, uses) if host else None
-        if fast is not None:
-            self.next_use = fast
-        else:
-            known = (self.slot_ids[:c] == ids) & (uses >= 0)
-            self.next_use = torch.where(known, uses, torch.full_like(uses, -1))
+        known = (self.slot_ids[:c] == ids) & (uses >= 0)
+        self.next_use = torch.where(known, uses, torch.full_like(uses, -1))
         # Only rows used since the last refresh have a later next use now (a lower score): the last windows'
         # rows, which joined the pool when their protection came off. Every other score stays or rises.
         if not counts_on_host(self.device):
@@ -722,8 +717,8 @@ class EmbeddingCache:
 
     def _set_protection(self, loc: torch.Tensor, value: bool):
         """Set the protection of a window's slots (host locations: the dump element) where counts are on the
-        host; returns how many resident slots changed. One C pass where a compiler is at hand, else torch ops."""
-        c = place_native.native()
+        host; returns how many resident slots changed. One C pass where the C library is installed, else torch ops."""
+        c = place_native.NATIVE.get()
         changed = None if c is None else place_native.set_protection(c, self.protected, loc, self.capacity, value)
         if changed is None:
             slots = self._resident_or_dump(loc)
@@ -752,23 +747,16 @@ class EmbeddingCache:
                                          self.next_use, protected, tables, gate)
 
     def _score_slots(self, policy: Policy, slots: torch.Tensor | None, protected: torch.Tensor) -> torch.Tensor:
-        """`policy`'s scores of `slots` (None: all C) under `protected` (one per entry): for a built-in policy of
-        a one-table CPU cache on the host-count path in one C pass (cachedemb/cache/score_native.py), else the
-        policy over the view (under the CUDA rules a CPU run stands for the device's op sequence)."""
-        if counts_on_host(self.device) and getattr(self, "table_starts", None) is None:
-            score = score_native.score(policy, slots, protected, self.capacity, self.slot_ids, self.slot_freq,
-                                     self.slot_last_use, self.next_use)
-            if score is not None:
-                return score
+        """`policy`'s scores of `slots` (None: all C) under `protected` (one per entry): the policy over the view."""
         return policy(self._slot_view(slots, protected))
 
     def _rescore_pool(self, policy: Policy, pool: torch.Tensor, joined: torch.Tensor, bound: int, mark: torch.Tensor,
                       scratch: torch.Tensor, drop_protected: bool = False):
-        """The victim pool's re-scoring in one C pass where `_score_slots` scores in C (VictimPool.choose's
-        `rescore`), else None."""
+        """The victim pool's re-scoring in one C pass for a built-in policy of a one-table cache on the host-count
+        path (VictimPool.choose's `rescore`), else None."""
         if not counts_on_host(self.device) or getattr(self, "table_starts", None) is not None:
             return None
-        return pool_native.rescore(score_native.kind(policy), pool, joined, self.capacity, self.slot_ids,
+        return pool_native.rescore(pool_native.kind(policy), pool, joined, self.capacity, self.slot_ids,
                                    self.slot_freq, self.slot_last_use, self.next_use, self.protected, bound, mark,
                                    scratch, drop_protected)
 
@@ -795,7 +783,7 @@ class EmbeddingCache:
         cap = uniq.numel()
         early = self._early_exit()
         id_slot = self._use_map()
-        c = place_native.native() if dev.type == "cpu" else None
+        c = place_native.NATIVE.get() if dev.type == "cpu" else None
         if c is not None and place_native.fits(id_slot, self.protected, self.slot_ids, self.dirty, self.slot_last_use):
             placed = self._place_native(c, uniq, n_uniq, policy, transfer, id_slot, window, counter)
             if placed is not None:

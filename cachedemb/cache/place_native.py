@@ -5,33 +5,26 @@ and updates the map and slot metadata in ~30 torch ops over the batch's ids (eac
 or scatter): ~6 ms a batch of 40k distinct ids on one core, ~20 ms a prefetch window of 120k, a fifth of a
 CPU training step. The two C loops do the same writes in the same order (masked scatters into the dump element
 included), so the state is the same bit for bit; the victim choice between them stays in torch (the policy is
-the user's). Used when a compiler is at hand (kernels/native.py) and `enabled`; the torch code of `_place` is
+the user's). Used where the package's C library is installed and on (kernels/native.py); the torch code of `_place` is
 the reference, and the tests run both.
 """
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from cachedemb.kernels.native import CFunctions
+from cachedemb.kernels.native import Helper
 
-enabled = True  # False: the torch code (tests switch it)
 _BUMP = getattr(torch.autograd.graph, "increment_version", None)
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
-_C = CFunctions(Path(__file__).with_name("place_native.c"), {
+NATIVE = Helper("place_native", {
     "cemb_place_find": ([_P, _I64, _I64, _P, _I64, _P, _P, _P, _P, _P], None),
     "cemb_place_commit": ([_P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64,
                            _P, _P, _P, _P, _P, _P, _P], None),
     "cemb_count_uses": ([_P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64], _I64),
     "cemb_set_protection": ([_P, _P, _I64, _I64, _I64], _I64),
 })
-
-
-def native():
-    """The C library, or None (disabled, or no compiler)."""
-    return _C.get() if enabled else None
 
 
 def _p(t: torch.Tensor) -> int:

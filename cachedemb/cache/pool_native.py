@@ -6,31 +6,37 @@ torch union (a [C] mask, two fills and a nonzero) is ~1.5 ms a window at a 400k-
 The union keeps the pool's order and appends the new slots; the pool's choice does not depend on its order
 (scores are distinct). `rescore` does a choice's union, scores (slot_score.h, the built-in policies), valid count
 and pruning in one pass: at a 5% cache with one-batch windows (a ~130k-slot pool) the separate steps (union,
-protection gather, scores, count, prune) took ~4.5 ms a window. `enabled = False`, no compiler or a tensor off
-the CPU: the torch union and the caller's separate steps.
+protection gather, scores, count, prune) took ~4.5 ms a window. The C library missing or off (kernels/native.py), or a
+tensor off the CPU: the torch union and the caller's separate steps.
 """
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from cachedemb.kernels.native import CFunctions
+from cachedemb.cache.policy import score_kernel
+from cachedemb.kernels.native import Helper
 
-enabled = True  # False: the torch union (tests switch it)
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
-_C = CFunctions(Path(__file__).with_name("pool_native.c"), {
+NATIVE = Helper("pool_native", {
     "cemb_pool_union": ([_P, _I64, _P, _I64, _I64, _P, _P], _I64),
     "cemb_pool_rescore": ([_I64, _P, _I64, _P, _I64, _I64] + [_P] * 5 + [_I64, _I64] + [_P] * 6, None),
 })
 
 
+def kind(policy) -> int | None:
+    """`policy`'s kind for the C re-scoring (slot_score.h: kernels/slot_score.py's SCORE_* kinds), or None: the
+    caller's separate steps score with the policy (a user's policy, or the C library missing or off)."""
+    kind = score_kernel(policy)
+    return kind if kind is not None and NATIVE.get() is not None else None
+
+
 def union(pool: torch.Tensor, slots: torch.Tensor, capacity: int, mark: torch.Tensor) -> torch.Tensor | None:
     """pool (distinct slots in [0, capacity)) followed by the slots of `slots` in [0, capacity) not in it, each
     once; `mark` ([capacity] bool, all False, left so). None where the C pass does not apply."""
-    c = _C.get() if enabled else None
+    c = NATIVE.get()
     if c is None or any(t.device.type != "cpu" for t in (pool, slots, mark)) or mark.numel() < capacity:
         return None
     pool, slots = pool.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
@@ -59,7 +65,7 @@ def rescore(kind: int, pool: torch.Tensor, joined: torch.Tensor, capacity: int, 
     buffer for the union and scores (views of it come back, valid until its next use; the kept entries are
     copies): a caller re-scoring every batch keeps one instead of faulting in megabytes of fresh pages each
     time. `drop_protected`: protected entries leave the pool (VictimPool.choose says when that stays exact)."""
-    c = _C.get() if enabled else None
+    c = NATIVE.get()
     if c is None or kind is None:
         return None
     for t in (pool, joined, slot_ids, freq, last_use, next_use, protected, mark):

@@ -3,22 +3,20 @@
 The torch code of id_map.py / next_use.py makes ~10 passes over a batch's ~40k ids, each a random gather or
 scatter over a map of millions of positions: ~8 ms a batch to enter, ~10 ms a window for the slots' next uses,
 more than the step it runs beside on a small machine. The C loops make one pass per id (and hold no GIL). Used
-when a compiler is at hand (kernels/native.py) and `enabled`; the torch code is the reference, and the tests run
+where the package's C library is installed and on (kernels/native.py); the torch code is the reference, and the tests run
 both (same answers; the map's internal positions may differ).
 """
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from cachedemb.kernels.native import CFunctions
+from cachedemb.kernels.native import Helper
 
-enabled = True  # False: the torch code (tests switch it)
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
-_C = CFunctions(Path(__file__).with_name("host_map.c"), {
+NATIVE = Helper("host_map", {
     "cemb_map_find": ([_P, _I64, _P, _I64, _P], None),
     "cemb_map_insert": ([_P, _I64, _I64, _P, _I64, _P, _P], _I64),
     "cemb_map_drop_empty": ([_P, _P, _P, _I64, _P, _I64], _I64),
@@ -33,11 +31,6 @@ _C = CFunctions(Path(__file__).with_name("host_map.c"), {
     "cemb_changed": ([_P, _P, _I64, _P], _I64),
     "cemb_relative": ([_P, _I64, _I64, _P], None),
 })
-
-
-def lib():
-    """The C library, or None (disabled, or no compiler)."""
-    return _C.get() if enabled else None
 
 
 def _ptr(t: torch.Tensor) -> int:

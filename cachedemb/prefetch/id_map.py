@@ -80,7 +80,7 @@ class IdMap:
     def find(self, ids: torch.Tensor) -> torch.Tensor:
         """Position of each id in the map, -1 where it is absent. The first probes go one position at a time
         (most chains end there); the few ids still probing then look WINDOW positions ahead at once."""
-        c = host_map.lib()
+        c = host_map.NATIVE.get()
         if c is not None:
             return host_map.find(c, self.keys, self._bits(), ids)
         pos = torch.full_like(ids, -1)
@@ -136,7 +136,7 @@ class IdMap:
     def drop_empty(self, pos: torch.Tensor) -> None:
         """The ids at `pos` whose words are all zero leave the map (TOMB: later inserts reuse the position),
         unless pinned."""
-        c = host_map.lib()
+        c = host_map.NATIVE.get()
         if c is not None:  # (and a TOMB that needs not stay becomes EMPTY: see host_map.c)
             self.used -= host_map.drop_empty(c, self.keys, self.words, self.pinned, pos)
             return
@@ -148,7 +148,7 @@ class IdMap:
         position one wins (the write that lands), the rest probe on. Returns (positions, TOMBs reused), or
         (None, 0) with the map unchanged if a probe would leave the tail. (In C: one id after another, each at the
         first free position of its probe.)"""
-        c = host_map.lib()
+        c = host_map.NATIVE.get()
         if c is not None:
             return host_map.insert(c, self.keys, self._bits(), self.none, ids)
         pos = torch.full_like(ids, -1)

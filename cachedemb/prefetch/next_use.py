@@ -77,7 +77,7 @@ class NextUseTracker:
         if self.num_rows is not None and uniq.numel() and (int(uniq.min()) < 0 or int(uniq.max()) >= self.num_rows):
             raise ValueError(f"ids must be in [0, {self.num_rows}), got {int(uniq.min())}..{int(uniq.max())}")
         word, bit = self._bit(batch)
-        c = host_map.lib()
+        c = host_map.NATIVE.get()
         old = self.ring.pop(batch - self.span, None)
         if old is not None:  # the position now means `batch`: clear the uses of the batch `span` earlier
             _, pos = self._positions(old)
@@ -141,7 +141,7 @@ class NextUseTracker:
 
     def _first_in(self, pos: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """First batch in [lo, hi) whose bit is set in the words at map positions `pos`, -1: none."""
-        c = host_map.lib()
+        c = host_map.NATIVE.get()
         if c is not None:
             return host_map.first_in(c, self.map.words, pos, self._masks(lo, hi))
         rows = self.map.words.index_select(0, pos)
@@ -184,7 +184,7 @@ class NextUseTracker:
         lo, hi = self._range(now, horizon)
         ids = ids.reshape(-1).to(torch.int64)
         kept_ids, kept_pos, layout = self._slots
-        c = host_map.lib()
+        c = host_map.NATIVE.get()
         if kept_ids.shape == ids.shape and layout == self.map.relayouts:
             pos = kept_pos  # updated in place at the changed slots (kept only by this tracker)
             changed = host_map.changed(c, ids, kept_ids) if c is not None else nonzero_1d(ids != kept_ids)
@@ -242,7 +242,7 @@ class NextUseTracker:
         if SLIDE_SHARE * (changed.numel() + sum(self.ring[b][0].numel() for b in moved)) > uses.numel():
             return None  # about as much work as finding every slot's first use
         slot_at = self._slot_at
-        c = host_map.lib()
+        c = host_map.NATIVE.get()
         if c is not None:  # the same passes in C, one per batch, no index tensors built
             words, now_range = self.map.words, self._masks(lo, hi)
             host_map.slide_pass(c, words, pos, uses, None, changed, host_map.ALWAYS, lo, now_range)
@@ -281,7 +281,7 @@ class NextUseTracker:
             changed = torch.arange(pos.numel())
         elif old is not None:
             self._fill(self._slot_at, old, -1)
-        c = host_map.lib()
+        c = host_map.NATIVE.get()
         if c is not None:
             if not host_map.track_slots(c, self._slot_at, pos, changed, self.map.none):
                 self._slot_at = None
@@ -299,7 +299,7 @@ class NextUseTracker:
 
     @staticmethod
     def _fill(target: torch.Tensor, pos: torch.Tensor, value) -> None:
-        c = host_map.lib()
+        c = host_map.NATIVE.get()
         if c is not None:
             host_map.fill(c, target, pos, value)
         else:
@@ -322,7 +322,7 @@ class NextUseTracker:
         self._check(lo)
         _, pos = self.ring_entry(batch)
         budget = max(budget, 0)
-        c = host_map.lib()
+        c = host_map.NATIVE.get()
         if c is None or hi <= lo:
             fresh = nonzero_1d(self._first_in(pos, lo, hi) < 0)
             return None if fresh.numel() > budget else fresh

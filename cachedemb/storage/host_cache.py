@@ -298,8 +298,8 @@ class HostRowCache:
         cache = self.cache
         tensors = [cache.host_weight] + [cache.host_states[n] for n in sorted(cache.host_states)] + [cache.host_freq]
         key = tuple((t.data_ptr(), tuple(t.shape)) for t in tensors)
-        if self._fields_key != (key, record_copy.enabled):
-            self._fields_key = (key, record_copy.enabled)
+        if self._fields_key != (key, record_copy.NATIVE.enabled):
+            self._fields_key = (key, record_copy.NATIVE.enabled)
             self._record_fields = RecordFields.of(self.layout, cache.host_weight, cache.host_states, cache.host_freq)
         return self._record_fields
 

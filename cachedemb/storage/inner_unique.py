@@ -4,25 +4,15 @@ return_groups=True)` would compute them, from the sort of its table ids the mapp
 The file tier maps each distinct table id of a batch to a slab row; the inner module then looks the batch up by
 slab row and would sort those lookups again. The rows are distinct, so sorting just the distinct rows (n, not B)
 and moving each id's run of lookups to its row's place gives the same unique ids, inverse, counts and lookup
-groups. `inner_unique.c` does the O(B) part in one pass; the torch code is the reference (no compiler, or
-`enabled` False; the tests compare both with `unique_ids`).
+groups (the tests compare them with `unique_ids`). A C pass for the O(B) part was measured and dropped: about
+2 ms a batch saved at an 8M-row table, on the read-ahead thread (benchmarks/results/native_helpers_cpu.json).
 """
 from __future__ import annotations
-
-import ctypes
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from cachedemb.kernels.host_sort import stable_sort
-from cachedemb.kernels.native import CFunctions
-
-enabled = True  # False: the torch code (tests switch it)
-_I64, _P = ctypes.c_int64, ctypes.c_void_p
-_C = CFunctions(Path(__file__).with_name("inner_unique.c"), {
-    "cemb_inner_unique": ([_P, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P], None),
-})
 
 
 def slab_unique_torch(rows: np.ndarray, inverse: np.ndarray, perm: torch.Tensor, counts: torch.Tensor,
@@ -49,16 +39,4 @@ def slab_unique(rows: np.ndarray, inverse: np.ndarray, perm: torch.Tensor, count
     `inverse` gives (every lookup kept)."""
     n, B = rows.size, inverse.size
     order = stable_sort(torch.from_numpy(rows), (0, int(rows.max())))[1].to(torch.int64)
-    c = _C.get() if enabled else None
-    if c is None:
-        return slab_unique_torch(rows, inverse, perm, counts, order)
-    order, rows = order.contiguous(), np.ascontiguousarray(rows, dtype=np.int64)
-    inverse = np.ascontiguousarray(inverse, dtype=np.int64)
-    perm, counts = perm.contiguous(), counts.contiguous()
-    scratch = torch.empty(2 * n, dtype=torch.int64)
-    uniq, inv, count_buf, out_perm = (torch.empty(B, dtype=torch.int64) for _ in range(4))
-    ptr = torch.empty(B + 1, dtype=torch.int64)
-    c.cemb_inner_unique(order.data_ptr(), rows.ctypes.data, inverse.ctypes.data, perm.data_ptr(), counts.data_ptr(),
-                       n, B, scratch.data_ptr(), uniq.data_ptr(), inv.data_ptr(), count_buf.data_ptr(),
-                       out_perm.data_ptr(), ptr.data_ptr())
-    return uniq, inv, count_buf, torch.tensor([n], dtype=torch.int64), (out_perm, ptr)
+    return slab_unique_torch(rows, inverse, perm, counts, order)

@@ -4,22 +4,20 @@ Landing a read batch took five torch ops per reader-thread part (index_copy_ of 
 views), packing a write-back batch three gathers and three copies on the training thread; on the file tier's
 reader threads each op is a turn at the GIL against the training thread. `record_copy.c` does either in one
 ctypes call (no GIL held). The torch code in host_cache.py (format.RecordLayout's views and `pack`) is the
-reference: `enabled = False`, no compiler, or rows that are not plain contiguous CPU tensors run it, and the
+reference: the C library missing or off, or rows that are not plain contiguous CPU tensors run it, and the
 tests compare the two byte for byte.
 """
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from cachedemb.kernels.native import CFunctions
+from cachedemb.kernels.native import Helper
 from cachedemb.storage.format import RecordLayout
 
-enabled = True  # False: the torch code (tests switch it)
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
-_C = CFunctions(Path(__file__).with_name("record_copy.c"), {
+NATIVE = Helper("record_copy", {
     "cemb_record_copy": ([_P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _I64], None),
 })
 
@@ -39,7 +37,7 @@ class RecordFields:
 
     @staticmethod
     def of(layout: RecordLayout, weight: torch.Tensor, states: dict[str, torch.Tensor], counts: torch.Tensor):
-        c = _C.get() if enabled else None
+        c = NATIVE.get()
         state_at = layout.state_offsets()
         names = [name for name, _, _ in layout.state_cols]
         if c is None or set(states) != set(names):
@@ -69,7 +67,7 @@ class RecordFields:
                 raise IndexError(f"order must index the {rows.numel()} rows")
         elif rows.numel() != n:
             raise ValueError(f"{rows.numel()} rows for {n} records")
-        _C.get().cemb_record_copy(records.data_ptr(), self.record, n, rows.data_ptr(),
+        NATIVE.get().cemb_record_copy(records.data_ptr(), self.record, n, rows.data_ptr(),
                                   None if order is None else order.data_ptr(), self.off.numel(), self.off.data_ptr(),
                                   self.len.data_ptr(), self.base.data_ptr(), self.stride.data_ptr(), to_records)
 

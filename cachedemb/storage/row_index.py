@@ -3,35 +3,28 @@
 The host cache looks up every distinct id of a batch (~40k), inserts its misses and deletes its victims (~15k
 each): through the torch reference of `kernels.id_index` (probe rounds with compaction) that was ~10 ms a step
 at 8M rows, a fifth of an in-memory step. `row_index.c` walks the same layout one id at a time (one pass, no GIL)
-where a compiler is at hand (kernels/native.py) and `enabled`; the torch code runs otherwise. Lookups give the same
+where the package's C library is installed and on (kernels/native.py); the torch code runs otherwise. Lookups give the same
 rows either way; where an insert lands may differ (the C loop places ids in order, the reference in rounds), as on
 the Triton backend.
 """
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from cachedemb import kernels
 from cachedemb.kernels import id_index
-from cachedemb.kernels.native import CFunctions
+from cachedemb.kernels.native import Helper
 
-enabled = True  # False: the torch reference (tests switch it)
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
-_C = CFunctions(Path(__file__).with_name("row_index.c"), {
+NATIVE = Helper("row_index", {
     "cemb_ri_lookup": ([_P, _I64, _P, _I64, _P], None),
     "cemb_ri_insert": ([_P, _I64, _P, _P, _I64, _I64, _P], _I64),
     "cemb_ri_delete": ([_P, _I64, _P, _I64], None),
     "cemb_ri_build": ([_P, _I64, _P, _P, _I64], None),
 })
-
-
-def _native():
-    """The C library, or None (disabled, or no compiler)."""
-    return _C.get() if enabled else None
 
 
 def _i64(a: np.ndarray) -> np.ndarray:
@@ -49,7 +42,7 @@ class RowIndex:
         self.limit = self.keys.numel() * 5 // 8
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
-        c = _native()
+        c = NATIVE.get()
         if c is not None:
             ids = _i64(ids)
             out = np.empty_like(ids)
@@ -59,7 +52,7 @@ class RowIndex:
         return kernels.index_lookup(self.keys, q, torch.tensor([q.numel()]), True).numpy()
 
     def _insert(self, ids: np.ndarray, rows: np.ndarray) -> bool:
-        c = _native()
+        c = NATIVE.get()
         if c is not None:
             ids, rows = _i64(ids), _i64(rows)
             ok = np.empty(ids.size, dtype=np.uint8)
@@ -91,7 +84,7 @@ class RowIndex:
             self.rebuild(np.concatenate([others, ids]), np.concatenate([at, rows]))
 
     def delete(self, ids: np.ndarray) -> None:
-        c = _native()
+        c = NATIVE.get()
         if c is not None:
             ids = _i64(ids)
             c.cemb_ri_delete(self.keys.data_ptr(), self.keys.numel() - 1, ids.ctypes.data, ids.size)
@@ -103,7 +96,7 @@ class RowIndex:
         """Every (id, row) laid out afresh, tombstones cleared (`insert` keeps the load <= 1/4 here)."""
         if ids.size >= self.keys.numel():
             raise ValueError(f"a row index of {self.keys.numel()} positions cannot hold {ids.size} ids")
-        c = _native()
+        c = NATIVE.get()
         if c is not None:
             ids, rows = _i64(ids), _i64(rows)
             c.cemb_ri_build(self.keys.data_ptr(), self.keys.numel() - 1, ids.ctypes.data, rows.ctypes.data, ids.size)

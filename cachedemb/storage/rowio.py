@@ -1,10 +1,9 @@
-"""Span reads and writes of table records: the loop over spans in C where a compiler is at hand, else in Python.
+"""Span reads and writes of table records: the loop over spans in C (the package's C library) or in Python.
 
 A miss is one record at a random offset, so a batch is thousands of small positional reads. `os.preadv` per
 span costs ~1.5 us of Python each and holds the GIL between calls; `rowio.c` runs the same loop in C under a
 single ctypes call (ctypes releases the GIL), so the I/O threads overlap the training step instead of taking
-turns with it. The C file is compiled on first use with the system's `cc` into a per-user cache keyed by its
-source hash (about 0.1 s, once); without a compiler, or with `CACHEDEMB_STORAGE_IO=python`, the Python loop
+turns with it. Where the package's C library is not installed, or is off (kernels/native.py), the Python loop
 runs. Both give the same bytes (tests/test_storage_file.py runs both).
 
 Writes that create the file's pages go in pieces of at most a page (see rowio.c: a record later written into a
@@ -14,53 +13,33 @@ from __future__ import annotations
 
 import ctypes
 import os
-from pathlib import Path
 
 import numpy as np
 
-from cachedemb.kernels.native import load_c
+from cachedemb.kernels.native import Helper
 from cachedemb.storage.format import PAGE
 
-_SOURCE = Path(__file__).with_name("rowio.c")
 _COPY_BUF = 64 << 10  # as rowio.c's COPY_BUF
 # A read spans records at most this many bytes apart (rowio.c's READ_GAP): recorded 1/16 steps' misses
 # (8M rows, log mode, sorted) read at 0.57-0.62 us of CPU a record one run of adjacent records a call, 0.34-0.41
 # with 2 KiB gaps spanned (0.29 calls a record instead of 0.75), no better at 4-8 KiB.
 READ_GAP = 2048
-_lib = None
-_tried = False
-
-
-def _load():
-    """The compiled library, or None (no compiler, not Linux/macOS, or disabled)."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    if os.environ.get("CACHEDEMB_STORAGE_IO", "c") == "python":
-        return None
-    lib = load_c(_SOURCE)
-    if lib is None:
-        return None
-    i64p = ctypes.POINTER(ctypes.c_int64)
-    for name in ("cemb_pread_spans", "cemb_pwrite_spans"):
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int64
-        fn.argtypes = [ctypes.c_int, i64p, i64p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.cemb_pwrite_paged.restype = ctypes.c_int64
-    lib.cemb_pwrite_paged.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    lib.cemb_copy_paged.restype = ctypes.c_int64
-    lib.cemb_copy_paged.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-    _lib = lib
-    return _lib
+_INT, _I64, _P, _I64P = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)
+NATIVE = Helper("rowio", {
+    "cemb_pread_spans": ([_INT, _I64P, _I64P, _I64, _I64, _P], _I64),
+    "cemb_pwrite_spans": ([_INT, _I64P, _I64P, _I64, _I64, _P], _I64),
+    "cemb_pwrite_paged": ([_INT, _P, _I64, _I64], _I64),
+    "cemb_copy_paged": ([_INT, _I64, _I64, _I64], _I64),
+})
 
 
 def backend() -> str:
-    return "c" if _load() is not None else "python"
+    """Which span loop runs: "c" (rowio.c) or "python"."""
+    return "c" if NATIVE.get() is not None else "python"
 
 
 def _ptr(a: np.ndarray):
-    return a.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))
+    return a.ctypes.data_as(_I64P)
 
 
 def spans(offsets: np.ndarray, rec: int, gap: int = 0) -> np.ndarray:
@@ -85,7 +64,7 @@ def pread_spans(fd: int, offsets: np.ndarray, starts: np.ndarray, rec: int, buf:
     """Read spans (see rowio.c: records `spans(offsets, rec, READ_GAP)` grouped) into `buf` (a writable uint8 array of
     len(offsets) * rec bytes). Returns 0, or 1 + the index of a span that met the end of the file; raises OSError
     on an I/O error."""
-    lib = _load()
+    lib = NATIVE.get()
     if lib is not None:
         offsets, starts = np.ascontiguousarray(offsets, np.int64), np.ascontiguousarray(starts, np.int64)
         rc = lib.cemb_pread_spans(fd, _ptr(offsets), _ptr(starts), starts.size - 1, rec, buf.ctypes.data)
@@ -111,7 +90,7 @@ def pread_spans(fd: int, offsets: np.ndarray, starts: np.ndarray, rec: int, buf:
 
 def pwrite_spans(fd: int, offsets: np.ndarray, starts: np.ndarray, rec: int, buf: np.ndarray) -> None:
     """Write spans (see rowio.c) from `buf`; raises OSError on an I/O error."""
-    lib = _load()
+    lib = NATIVE.get()
     if lib is not None:
         offsets, starts = np.ascontiguousarray(offsets, np.int64), np.ascontiguousarray(starts, np.int64)
         rc = lib.cemb_pwrite_spans(fd, _ptr(offsets), _ptr(starts), starts.size - 1, rec, buf.ctypes.data)
@@ -126,7 +105,7 @@ def pwrite_spans(fd: int, offsets: np.ndarray, starts: np.ndarray, rec: int, buf
 def pwrite_paged(fd: int, data, offset: int) -> None:
     """Write all of `data` (bytes-like) at `offset`, in page pieces when it is two pages or longer."""
     view = memoryview(data).cast("B")
-    lib = _load()
+    lib = NATIVE.get()
     if lib is not None:
         arr = np.frombuffer(view, dtype=np.uint8)
         rc = lib.cemb_pwrite_paged(fd, arr.ctypes.data, arr.size, offset)
@@ -139,7 +118,7 @@ def pwrite_paged(fd: int, data, offset: int) -> None:
 def copy_paged(fd: int, src: int, dst: int, length: int) -> bool:
     """Copy `length` bytes of the file from `src` to `dst` (non-overlapping) through a 64 KiB buffer, written in
     page pieces (copy_file_range would create large folios at `dst`); False when the source ends early."""
-    lib = _load()
+    lib = NATIVE.get()
     if lib is not None:
         rc = lib.cemb_copy_paged(fd, src, dst, length)
         if rc < 0:

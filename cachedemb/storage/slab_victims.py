@@ -3,21 +3,19 @@
 An eviction ranks every row of the slab no batch in flight holds: in numpy that is ~8 passes over the slab's
 arrays (masks, a gather of the counts, the key's shifts and clips), ~6 ms for a 500k-row slab, paid about once
 a step at a 1/16 host cache. `slab_victims.c` builds the same candidates (ascending rows) and the same keys in
-one pass, so the victims chosen from them are the same. The numpy code is the reference: it runs without a
-compiler, with `enabled` False, or where the arrays are not what the loop reads; the tests compare both.
+one pass, so the victims chosen from them are the same. The numpy code is the reference: it runs without
+the C library (or with it off), or where the arrays are not what the loop reads; the tests compare both.
 """
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import numpy as np
 
-from cachedemb.kernels.native import CFunctions
+from cachedemb.kernels.native import Helper
 
-enabled = True  # False: the numpy code (tests switch it)
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
-_C = CFunctions(Path(__file__).with_name("slab_victims.c"), {
+NATIVE = Helper("slab_victims", {
     "cemb_slab_victim_keys": ([_P, _P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _P], _I64),
 })
 
@@ -46,7 +44,7 @@ def victim_keys(row_id: np.ndarray, row_step: np.ndarray, next_use: np.ndarray, 
                 done_below: int, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(candidate rows ascending, their keys): rows cached, not held by a batch in flight, not in `keep`."""
     n = row_id.size
-    c = _C.get() if enabled else None
+    c = NATIVE.get()
     keep = np.ascontiguousarray(keep, dtype=np.int64).reshape(-1)
     if (c is None or not _fits(row_id, row_step, next_use, freq) or row_step.size < n or next_use.size < n
             or freq.size < n or (keep.size and (keep.min() < 0 or keep.max() >= n))):

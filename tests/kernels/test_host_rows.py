@@ -8,15 +8,15 @@ import torch
 from cachedemb.kernels import host_rows
 from cachedemb.kernels.row_copy import RowCopy, row_copy_many_torch, row_copy_torch
 
-pytestmark = pytest.mark.skipif(host_rows._native() is None, reason="no C compiler: the torch code runs")
+pytestmark = pytest.mark.skipif(host_rows.NATIVE.get() is None, reason="C helpers off: the torch code runs")
 
 
 def _torch(fn, monkeypatch):
-    monkeypatch.setattr(host_rows, "enabled", False)
+    monkeypatch.setattr(host_rows.NATIVE, "enabled", False)
     try:
         fn()
     finally:
-        monkeypatch.setattr(host_rows, "enabled", True)
+        monkeypatch.setattr(host_rows.NATIVE, "enabled", True)
 
 
 @pytest.mark.parametrize("dtype,dim", [(torch.float32, 64), (torch.float64, 3), (torch.int64, 1), (torch.bool, 5),

@@ -12,8 +12,8 @@ import cachedemb
 from cachedemb import optim
 from cachedemb.kernels import host_sgd
 
-pytestmark = pytest.mark.skipif(host_sgd._C.get() is None or not host_sgd._fused_add(),
-                                reason="no C compiler, or torch's CPU add is not fused: the torch code runs")
+pytestmark = pytest.mark.skipif(host_sgd.NATIVE.get() is None or not host_sgd._fused_add(),
+                                reason="C helpers off, or torch's CPU add is not fused: the torch code runs")
 
 
 def _torch_sgd(rows, idx, g, alpha):
@@ -53,7 +53,7 @@ def test_declines_and_leaves_the_rows_alone():
 def test_training_with_the_c_update_equals_the_torch_update(cache_rows, monkeypatch):
     """Misses past a tiny cache are updated in the host table: both places take the C update."""
     def train(enabled):
-        monkeypatch.setattr(host_sgd, "enabled", enabled)
+        monkeypatch.setattr(host_sgd.NATIVE, "enabled", enabled)
         torch.manual_seed(0)
         emb = cachedemb.CachedEmbeddingBag(300, 8, mode="mean", cache_rows=cache_rows, device="cpu",
                                            optimizer=optim.SGD(lr=0.3))
