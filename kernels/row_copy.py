@@ -463,7 +463,8 @@ def _count_tensor(n, device) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------- split row moves
 ROW_MOVE_MODES = ("split", "fused")
 ROW_TILE = 4096  # elements a row program copies per pass over its pairs: 16 KiB of fp32 in flight per program
-COUNT_BLOCK = 1024  # counts a count program moves per pass
+COUNT_BLOCK = 512  # counts a count program moves per pass
+ROWS_PER_PASS = 64  # at most: the index vectors of a pass stay live across the pairs' loops
 
 
 def row_move_mode() -> str:
@@ -541,9 +542,13 @@ def _launch_stream(pairs, src_idx, dst_idx, n, cap, counts=None) -> None:
     for s, t in list(pairs) + [pairs[0]] * (MAX_MOVE_PAIRS - len(pairs)):
         s2, t2 = _as_rows(s), _as_rows(t)
         args += [s2, t2, s2.shape[1]]
-        blocks.append(max(1, min(triton.next_power_of_2(s2.shape[1]), 256)))
+        blocks.append(max(1, min(triton.next_power_of_2(s2.shape[1]), 128)))
     if gpu_shapes(dev):
-        block_r = max(4, ROW_TILE // max(blocks))
+        # rows whose length is no multiple of 16 load element by element, each with its own 64-bit address: a
+        # quarter of the tile keeps those in registers
+        widest = max(range(len(pairs)), key=lambda i: blocks[i])
+        tile = ROW_TILE if _as_rows(pairs[widest][0]).shape[1] % 16 == 0 else ROW_TILE // 4
+        block_r = max(4, min(ROWS_PER_PASS, tile // max(blocks)))
         block_c = COUNT_BLOCK
         programs = persistent_programs(dev, triton.cdiv(cap, block_r))
         count_programs = 0 if counts is None else max(1, min(programs // 8, triton.cdiv(cap, block_c)))
