@@ -148,6 +148,7 @@ def test_a_cpu_record_has_the_split_row_moves_and_the_cache_counts():
     names = [e["name"] for e in rec["events"]]
     assert names.index("pooled_forward_kernel") < names.index("backward_update_kernel")
     assert sum(rec["launches_per_step"].values()) == len(rec["events"]) - 1
+    assert rec["host_reads_per_step"] == {}  # the sync-free path reads no device value
 
 
 def test_the_quick_suite_plan_fits_one_call():

@@ -11,7 +11,9 @@ Every device-facing event is recorded in issue order:
   cache rows excluded: a kernel touches only the rows it is given indices for);
 - `row_move`: a launch of a row-move kernel, with the rows it moves in and out (taken from the cache's own
   counters, `rows_in` / `rows_out`, after the step);
-- `host_read`: a host read of a tensor value (`.item()`, `.tolist()`, `int()`, `bool()`): a sync on a GPU.
+- `host_read`: a read of a tensor value (`.item()`, `.tolist()`, `int()`, `bool()`) by the cache or the
+  kernels on the training thread: a sync on a GPU (the pipeline's reads of host ids and the reads of landed
+  pinned buffers, HOST_BUFFER_SITES, are not).
 
 `record_step` returns per-step averages plus the ordered events of the last step (with prefetch: of the last
 window, a `step_end` after each step: the benchmark synchronizes there); `scale_record` carries a
@@ -31,6 +33,8 @@ from cachedemb.tools.launch_count import _environment, _kernel_classes, _library
 
 ROW_MOVE_KERNELS = ("row_stream_kernel", "row_move_kernel", "row_copy_many_kernel", "row_copy_kernel")
 HOST_READS = ("item", "tolist", "__int__", "__bool__")
+# reads of host memory on every device (no sync there): the miss counts landed in a pinned buffer
+HOST_BUFFER_SITES = ("cachedemb/cache/miss_estimate.py:_fold",)
 
 
 @dataclass
@@ -110,8 +114,10 @@ class StepRecorder:
             real = getattr(torch.Tensor, name)
 
             def read(t, *a, _real=real, _name=name, **k):
-                if recorder.active and _library_site(2) is not None:
-                    recorder.step.host_reads[_name] += 1
+                if recorder.active and _stream() == "compute":
+                    where = _library_site(2)
+                    if where is not None and where[0] == "launches" and where[1] not in HOST_BUFFER_SITES:
+                        recorder.step.host_reads[_name] += 1
                 return _real(t, *a, **k)
 
             setattr(torch.Tensor, name, read)
