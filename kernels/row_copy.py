@@ -399,7 +399,7 @@ def row_move_kernel(p_n_admit, p_n_miss, cap, p_victims, p_old, p_dirty_ids, p_m
     n_admit = tl.minimum(tl.load(p_n_admit), cap)
     n_miss = tl.minimum(tl.load(p_n_miss), cap)
     blk = tl.program_id(0).to(tl.int64)
-    while blk * BLOCK_R < n_miss:
+    while blk * BLOCK_R < tl.maximum(n_admit, n_miss):
         o_r = blk * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
         m_a = o_r < n_admit
         m_r = o_r < n_miss
@@ -426,9 +426,10 @@ def row_move_kernel(p_n_admit, p_n_miss, cap, p_victims, p_old, p_dirty_ids, p_m
         blk += tl.num_programs(0)
 
 
-def row_move_triton(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest, n_miss,
-                    add=None) -> None:
-    """row_move_torch in one launch (every pair contiguous; host tables pinned where the device is CUDA)."""
+def row_move_fused_triton(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest,
+                          n_miss, add=None) -> None:
+    """row_move_torch in one launch, out and in interleaved rank by rank (`CACHEDEMB_ROW_MOVE=fused`; kept for the
+    row-move benchmark beside the split launches). Every pair contiguous; host tables pinned on CUDA."""
     if len(pairs) > MAX_MOVE_PAIRS or not all(d.is_contiguous() and h.is_contiguous() for d, h in pairs):
         return row_move_torch(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest,
                               n_miss, add)
@@ -436,8 +437,7 @@ def row_move_triton(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirt
     cap = min(victims.numel(), miss_ids.numel(), miss_dest.numel())
     if cap == 0:
         return
-    n_admit, n_miss = (n if torch.is_tensor(n) else torch.full((1,), int(n), dtype=torch.int64, device=dev)
-                       for n in (n_admit, n_miss))
+    n_admit, n_miss = (_count_tensor(n, dev) for n in (n_admit, n_miss))
     args, blocks = [], []
     for d, h in list(pairs) + [pairs[0]] * (MAX_MOVE_PAIRS - len(pairs)):
         d2, h2 = _as_rows(d), _as_rows(h)
@@ -454,6 +454,147 @@ def row_move_triton(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirt
                               _as_rows(pairs[0][0]).shape[0], _as_rows(pairs[0][1]).shape[0], *args,
                               N_PAIRS=len(pairs), HAS_ADD=add is not None, BLOCK_R=block_r, BD0=blocks[0],
                               BD1=blocks[1], BD2=blocks[2], num_warps=8 if len(pairs) > 1 else 4)
+
+
+def _count_tensor(n, device) -> torch.Tensor:
+    return n if torch.is_tensor(n) else torch.full((1,), int(n), dtype=torch.int64, device=device)
+
+
+# ----------------------------------------------------------------------------------------- split row moves
+ROW_MOVE_MODES = ("split", "fused")
+ROW_TILE = 4096  # elements a row program copies per pass over its pairs: 16 KiB of fp32 in flight per program
+COUNT_BLOCK = 512  # counts a count program moves per pass
+ROWS_PER_PASS = 64  # at most: the index vectors of a pass stay live across the pairs' loops
+
+
+def row_move_mode() -> str:
+    """How row_move launches on the Triton backend: `CACHEDEMB_ROW_MOVE=split` (default: rows out, then rows in,
+    two launches whose programs copy rows only, the counts in programs of their own) or `fused` (one launch, out
+    and in interleaved per rank). Read at call time."""
+    value = os.environ.get("CACHEDEMB_ROW_MOVE", "").strip().lower() or "split"
+    if value not in ROW_MOVE_MODES:
+        raise ValueError(f"CACHEDEMB_ROW_MOVE={value!r}: expected one of {ROW_MOVE_MODES} or unset")
+    return value
+
+
+@triton.jit
+def stream_rows(p_src, p_dst, D, b_s, b_t, m_r, BD: tl.constexpr):
+    """dst[b_t] = src[b_s] for the rows of m_r, all D columns in BD steps. Where D is a multiple of 16 (Triton
+    specializes it so) every row starts 16-element aligned and a thread moves 16 bytes per access (v4)."""
+    r_s = b_s[:, None] * D
+    r_t = b_t[:, None] * D
+    for d0 in range(0, D, BD):
+        o_d = d0 + tl.arange(0, BD).to(tl.int64)
+        m = m_r[:, None] & (o_d < D)[None, :]
+        b_x = tl.load(p_src + r_s + o_d[None, :], mask=m)
+        tl.store(p_dst + r_t + o_d[None, :], b_x.to(p_dst.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["cap", "row_programs", "R_src", "R_dst", "R_csrc", "R_cdst"])
+def row_stream_kernel(p_n, cap, row_programs, p_src_idx, p_dst_idx, R_src, R_dst,
+                      src0, dst0, D0, src1, dst1, D1, src2, dst2, D2,
+                      p_csrc_idx, p_cdst_idx, p_csrc, p_cdst, R_csrc, R_cdst, p_add,
+                      N_PAIRS: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_ADD: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BD0: tl.constexpr, BD1: tl.constexpr,
+                      BD2: tl.constexpr):
+    """One direction of a row move, up to the count *p_n (<= cap). Programs below `row_programs` copy the rows of
+    every pair (dst_k[dst_idx[r]] = src_k[src_idx[r]]), persistent over blocks of BLOCK_R ranks; the others move
+    the counts (cdst[cdst_idx[r]] = csrc[csrc_idx[r]] (+ add[r])), so no row program waits on a scattered 8-byte
+    access. A negative or out-of-range index skips its rank."""
+    n = tl.minimum(tl.load(p_n), cap)
+    pid = tl.program_id(0)
+    if pid < row_programs:
+        blk = pid.to(tl.int64)
+        while blk * BLOCK_R < n:
+            o_r = blk * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+            m_r = o_r < n
+            b_s = tl.load(p_src_idx + o_r, mask=m_r, other=-1).to(tl.int64)
+            b_t = tl.load(p_dst_idx + o_r, mask=m_r, other=-1).to(tl.int64)
+            m_r = m_r & (b_s >= 0) & (b_t >= 0) & (b_s < R_src) & (b_t < R_dst)
+            stream_rows(src0, dst0, D0, b_s, b_t, m_r, BD0)
+            if N_PAIRS > 1:
+                stream_rows(src1, dst1, D1, b_s, b_t, m_r, BD1)
+            if N_PAIRS > 2:
+                stream_rows(src2, dst2, D2, b_s, b_t, m_r, BD2)
+            blk += row_programs
+    else:
+        if HAS_COUNTS:
+            blk = (pid - row_programs).to(tl.int64)
+            step = tl.num_programs(0) - row_programs
+            while blk * BLOCK_C < n:
+                o_r = blk * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
+                m_r = o_r < n
+                b_s = tl.load(p_csrc_idx + o_r, mask=m_r, other=-1).to(tl.int64)
+                b_t = tl.load(p_cdst_idx + o_r, mask=m_r, other=-1).to(tl.int64)
+                m_r = m_r & (b_s >= 0) & (b_t >= 0) & (b_s < R_csrc) & (b_t < R_cdst)
+                b_c = tl.load(p_csrc + b_s, mask=m_r)
+                if HAS_ADD:
+                    b_c += tl.load(p_add + o_r, mask=m_r, other=0)
+                tl.store(p_cdst + b_t, b_c, mask=m_r)
+                blk += step
+
+
+def _launch_stream(pairs, src_idx, dst_idx, n, cap, counts=None) -> None:
+    """One direction: `pairs` = [(src, dst)] of equal row counts per side, rows dst[dst_idx[r]] = src[src_idx[r]];
+    `counts` = (csrc, csrc_idx, cdst, cdst_idx, add or None) moved by programs of their own."""
+    dev = src_idx.device
+    args, blocks = [], []
+    for s, t in list(pairs) + [pairs[0]] * (MAX_MOVE_PAIRS - len(pairs)):
+        s2, t2 = _as_rows(s), _as_rows(t)
+        args += [s2, t2, s2.shape[1]]
+        blocks.append(max(1, min(triton.next_power_of_2(s2.shape[1]), 128)))
+    if gpu_shapes(dev):
+        # rows whose length is no multiple of 16 load element by element, each with its own 64-bit address: a
+        # quarter of the tile keeps those in registers
+        widest = max(range(len(pairs)), key=lambda i: blocks[i])
+        tile = ROW_TILE if _as_rows(pairs[widest][0]).shape[1] % 16 == 0 else ROW_TILE // 4
+        block_r = max(4, min(ROWS_PER_PASS, tile // max(blocks)))
+        block_c = COUNT_BLOCK
+        programs = persistent_programs(dev, triton.cdiv(cap, block_r))
+        count_programs = 0 if counts is None else max(1, min(programs // 8, triton.cdiv(cap, block_c)))
+    else:  # the interpreter: few, large programs
+        block_r = min(max(16, 16384 // max(blocks)), max(16, triton.next_power_of_2(cap)))
+        block_c = min(4096, max(16, triton.next_power_of_2(cap)))
+        programs = persistent_programs(dev, triton.cdiv(cap, block_r))
+        count_programs = 0 if counts is None else 2
+    r_src, r_dst = _as_rows(pairs[0][0]).shape[0], _as_rows(pairs[0][1]).shape[0]
+    if counts is None:
+        c_args = [src_idx, dst_idx, src_idx, dst_idx, 0, 0, src_idx]
+    else:
+        csrc, csrc_idx, cdst, cdst_idx, add = counts
+        c_args = [csrc_idx, cdst_idx, csrc, cdst, csrc.shape[0], cdst.shape[0], add if add is not None else csrc_idx]
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        row_stream_kernel[(programs + count_programs,)](
+            n.reshape(1), cap, programs, src_idx, dst_idx, r_src, r_dst, *args, *c_args,
+            N_PAIRS=len(pairs), HAS_COUNTS=counts is not None, HAS_ADD=counts is not None and counts[4] is not None,
+            BLOCK_R=block_r, BLOCK_C=block_c, BD0=blocks[0], BD1=blocks[1], BD2=blocks[2], num_warps=4)
+
+
+def row_move_split_triton(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest,
+                          n_miss, add=None) -> None:
+    """row_move_torch in two launches on the current stream, out then in (stream order keeps a victim's slot read
+    before its new row lands): the dirty victims' rows and every victim's count to the host, then the misses'
+    rows and counts (+ add) in. Every pair contiguous; host tables pinned where the device is CUDA."""
+    if len(pairs) > MAX_MOVE_PAIRS or not all(d.is_contiguous() and h.is_contiguous() for d, h in pairs):
+        return row_move_torch(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest,
+                              n_miss, add)
+    dev = victims.device
+    n_admit, n_miss = (_count_tensor(n, dev) for n in (n_admit, n_miss))
+    cap_out = min(victims.numel(), dirty_ids.numel(), old_ids.numel())
+    if cap_out:
+        _launch_stream([(d, h) for d, h in pairs], victims, dirty_ids, n_admit, cap_out,
+                       counts=(slot_freq, victims, host_freq, old_ids, None))
+    cap_in = min(miss_ids.numel(), miss_dest.numel())
+    if cap_in:
+        _launch_stream([(h, d) for d, h in pairs], miss_ids, miss_dest, n_miss, cap_in,
+                       counts=(host_freq, miss_ids, slot_freq, miss_dest, add))
+
+
+def row_move_triton(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest, n_miss,
+                    add=None) -> None:
+    """row_move_torch on the Triton backend, split (default) or fused by `row_move_mode()`."""
+    fn = row_move_split_triton if row_move_mode() == "split" else row_move_fused_triton
+    return fn(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest, n_miss, add)
 
 
 def row_move(pairs, slot_freq, host_freq, victims, n_admit, old_ids, dirty_ids, miss_ids, miss_dest, n_miss,

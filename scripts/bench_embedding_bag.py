@@ -72,6 +72,8 @@ def bench_one(num_rows, args, device, cache_rows=None, reference=True):
         result["cache_rows"] = cached.cache.capacity
         result["hit_rate"] = stats["hits"] / max(1, stats["unique"])
         result["unique_per_batch"] = stats["unique"] / (args.warmup + args.steps)
+        result["rows_in_per_batch"] = stats["rows_in"] / (args.warmup + args.steps)  # window admissions included
+        result["rows_out_per_batch"] = stats["rows_out"] / (args.warmup + args.steps)
         result["cache_seconds"] = stats["seconds"]  # the O(cache) passes each have their own entry
         del cached
         gc.collect()

@@ -17,6 +17,12 @@ global loads/stores, vector ones (v2/v4) counted apart:
 
     python scripts/bench_kernels.py --aot --out benchmarks/results/kernels_aot_sm90_sm80.json
     python scripts/bench_kernels.py --aot --variants kernels_aot_h100.json   # compile a GPU's recording here
+
+`--row-move` (CUDA) times an admission's row moves alone (scripts/row_move_bench.py): in, out and both, 256 B and
+512 B rows, host tables registered with cudaHostRegister (the library's) or from cudaHostAlloc (torch's
+pin_memory), each row-move variant against the copy engine's cudaMemcpyAsync of the same bytes, plus the constants
+scripts/gpu_model.py reads (pinned and pageable copy rates, launch costs). Without CUDA it refuses, unless
+`--smoke` (a tiny run under TRITON_INTERPRET=1 that checks every variant against the reference; no rates).
 """
 from __future__ import annotations
 
@@ -64,7 +70,17 @@ def parse_args(argv=None):
     p.add_argument("--jobs", type=int, default=2, help="--aot: compile processes")
     p.add_argument("--variants", help="--aot: compile the variants of an earlier --aot output (e.g. one recorded "
                                       "on a GPU) instead of recording here")
+    p.add_argument("--row-move", action="store_true", help="the row-move microbenchmark instead (CUDA, or --smoke)")
+    p.add_argument("--move-rows", type=int, default=95_000, help="--row-move: rows moved each way per call")
+    p.add_argument("--smoke", action="store_true", help="--row-move without CUDA: a tiny interpreter run, no rates")
     args = p.parse_args(argv)
+    if args.row_move:
+        if not torch.cuda.is_available() and not args.smoke:
+            p.error("--row-move times host<->GPU row moves: it needs a CUDA device (or --smoke, a tiny check of "
+                    "the variants under TRITON_INTERPRET=1)")
+        if args.smoke and os.environ.get("TRITON_INTERPRET", "0") != "1" and not torch.cuda.is_available():
+            p.error("--row-move --smoke runs the Triton kernels on CPU: set TRITON_INTERPRET=1")
+        return args
     if args.aot:
         return args
     if not torch.cuda.is_available() and not args.small:
@@ -337,6 +353,11 @@ def run_aot(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.row_move:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import row_move_bench
+
+        return row_move_bench.run(args)
     if args.aot:
         run_aot(args)
     else:

@@ -340,6 +340,7 @@ def library_workload(device="cpu", dims=WORKLOAD_DIMS, dtypes=("float32", "bfloa
     freq_src, freq_dst = torch.arange(rows, device=device), torch.zeros(rows, dtype=torch.int64, device=device)
     kernels.row_copy_many([kernels.RowCopy(src, ids, dst, ids), kernels.RowCopy(freq_src, ids, freq_dst, ids)],
                           count)
+    _row_moves(device, gen)
     # every slot's score in one launch, per built-in kind (with table ranks for lookahead): the window plans rank
     # with it where the victim pool scores the whole cache, which the per-batch CUDA path (pool_rank) never does
     slots = torch.randperm(3000, generator=gen).to(device)
@@ -349,6 +350,36 @@ def library_workload(device="cpu", dims=WORKLOAD_DIMS, dtypes=("float32", "bfloa
         tables = ((torch.tensor([0, 1500], device=device), torch.tensor([0, 1], device=device))
                   if kind == kernels.SCORE_LOOKAHEAD else None)
         kernels.slot_score_triton(kind, slots, freq, last_use, next_use, protected, tables)
+
+
+ROW_MOVE_SHAPES = ((64, "float32"), (128, "bfloat16"), (128, "float32"))  # 256 B and 512 B rows
+
+
+def _row_moves(device, gen) -> None:
+    """An admission's row move at the row sizes the GPU benchmarks move (256 B and 512 B rows), split (the
+    default) and fused, with one pair (SGD) and three (Adam: the row and two states, the counts plus the batch's
+    lookups)."""
+    import itertools
+
+    import torch
+
+    row_copy = importlib.import_module("cachedemb.kernels.row_copy")  # the package exports a function row_copy
+
+    k, slots, rows = 24, 64, 200
+    for (dim, dtype), n_pairs in itertools.product(ROW_MOVE_SHAPES, (1, 3)):
+        widths = (dim, dim, 1)[:n_pairs]
+        pairs = [(torch.zeros(slots, w, device=device).to(getattr(torch, dtype) if i == 0 else torch.float32),
+                  torch.randn(rows, w, generator=gen).to(getattr(torch, dtype) if i == 0 else torch.float32)
+                  .to(device)) for i, w in enumerate(widths)]
+        victims = torch.randperm(slots, generator=gen)[:k].to(device)
+        ids = torch.randperm(rows, generator=gen)[: 3 * k].to(device)  # k victims' ids, then 2k misses
+        dest = torch.cat([victims, torch.full((k,), -1, device=device, dtype=torch.int64)])
+        n_admit, n_miss = torch.tensor([k], device=device), torch.tensor([2 * k], device=device)
+        add = torch.ones(2 * k, dtype=torch.int64, device=device)
+        freq_slot, freq_host = torch.zeros(slots, dtype=torch.int64, device=device), torch.arange(rows, device=device)
+        for fn in (row_copy.row_move_split_triton, row_copy.row_move_fused_triton):
+            fn(pairs, freq_slot, freq_host, victims, n_admit, ids[:k], ids[:k], ids[k:], dest, n_miss,
+               add if n_pairs > 1 else None)
 
 
 def launched_kernels(package: str = "cachedemb.kernels") -> set[str]:
