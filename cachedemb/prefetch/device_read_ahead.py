@@ -180,11 +180,12 @@ class DeviceReadAhead(ReadAheadBase):
         self.entered = number + 1
         self._plan_windows()
 
-    def _plan(self, start: int, available: int) -> WindowInfo:
+    def _plan(self, start: int, available: int, prev_start: int | None) -> WindowInfo:
         with contextlib.ExitStack() as streams:
             for device in dict.fromkeys(self.devices):
                 streams.enter_context(self._stream(device))
-            info = plan_window(start, available, self.trackers, self.capacities, self.depth, locate=False)
+            info = plan_window(start, available, self.trackers, self.capacities, self.depth, locate=False,
+                               prev_start=prev_start)
             if info.unions is not None:
                 info.unions = [_on_host(u) for u in info.unions]
         return info
