@@ -180,13 +180,23 @@ class Prefetcher:
             self._end()
             return False
         # Private copies: the caller may reuse or change its tensors; the read-ahead thread reads these later.
-        ids = [t.detach().reshape(-1).to(torch.int64, copy=True) if t.device.type == "cpu" else t.detach()
-               for _, t in targets]
+        ids = [self._private(t) for _, t in targets]
         self.worker.submit_enter(self.read_count, ids)
         self.buffer.append((self.read_count, batch, ids))
         self.read_count += 1
         self._add_seconds("prefetch_read", time.thread_time() - start)
         return True
+
+    def _private(self, t: torch.Tensor) -> torch.Tensor:
+        """A private copy of a batch's host ids (the caller may reuse its tensor; the read-ahead reads it later):
+        in pinned memory where the device read-ahead takes them to a GPU (its copy is then a non-blocking DMA on
+        its side stream, overlap.copy_plan); device ids as they are (the read-ahead copies them in stream order)."""
+        if t.device.type != "cpu":
+            return t.detach()
+        flat = t.detach().reshape(-1)
+        if isinstance(self.worker, DeviceReadAhead) and torch.cuda.is_available():
+            return torch.empty(flat.shape, dtype=torch.int64, pin_memory=True).copy_(flat)
+        return flat.to(torch.int64, copy=True)
 
     def _end(self) -> None:
         self.total = self.read_count
@@ -281,7 +291,11 @@ class Prefetcher:
         return self._side_stream(cache) is not None
 
     def _upload(self, t: torch.Tensor, cache: EmbeddingCache, site: str) -> torch.Tensor:
-        """A host tensor of the read-ahead's on the cache's device, by the hot path's copy rule (overlap.py)."""
+        """A read-ahead result on the cache's device: a host one by the hot path's copy rule (overlap.py); one the
+        device read-ahead kept there (made on its stream, complete) marked as used by this thread's stream."""
+        if t.device == cache.device and t.device.type == "cuda":
+            t.record_stream(torch.cuda.current_stream(t.device))
+            return t
         return to_device(t, cache.device, self.copies, site)
 
     def _overlapping(self) -> bool:
@@ -350,7 +364,8 @@ class Prefetcher:
                 except CancelledError:  # the loop is closing: the read-ahead stopped, nothing was planned
                     return None
                 with copier.pausing():
-                    plan = cache.plan_window(union, self.policy, uses[c], now=start, counter=counter)
+                    plan = cache.plan_window(self._upload(union, cache, "window ids"), self.policy, uses[c],
+                                             now=start, counter=counter)
                     self._snapshot_part(c, cache, info.end)
                     cache.transfer_window(plan)  # the rows, now, on this thread
                 return plan
@@ -394,7 +409,9 @@ class Prefetcher:
                 entry = self.next_uses[start]
         snapshots, epochs, future = entry
         uses = self._wait(future) if here else future.result()
-        return [SlotNextUse(ids, u, start, epoch) for (ids, _), u, epoch in zip(snapshots, uses, epochs)]
+        uses = [self._upload(u, cache, "next uses") for u, cache in zip(uses, self.caches)]
+        ids = [self._upload(ids, cache, "snapshot ids") for (ids, _), cache in zip(snapshots, self.caches)]
+        return [SlotNextUse(i, u, start, epoch) for i, u, epoch in zip(ids, uses, epochs)]
 
     # ----------------------------------------------------------------- hand-off to the forward
     def _request_unique(self, offset: int) -> None:
