@@ -32,7 +32,7 @@ from cachedemb.cache.host_memory import host_empty, pinned_copy
 from cachedemb.kernels import PROTECTED, id_index
 from cachedemb.kernels.gather import take
 from cachedemb.cache.policy import Policy, SlotView, resolve, score_kernel
-from cachedemb.cache import device_place, place_native, pool_native, score_native
+from cachedemb.cache import device_place, place_native, pool_native, score_native, staging
 from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.victim_pool import VictimPool
 
@@ -694,54 +694,12 @@ class EmbeddingCache:
         return self.capacity - self.staging_rows
 
     def reserve_staging(self, rows: int) -> None:
-        """Give the cache at least `rows` staging slots beyond `cache_rows` (a prefetch loop's, docs/prefetch.md):
-        every slot buffer is reallocated once, the resident rows kept where they are; never shrunk, so a CUDA
-        graph captured after it keeps its addresses. Call outside any window (protection is dropped)."""
-        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
-            raise ValueError(f"staging_rows must be an int >= 0 (slots beyond the cache's rows), got {rows!r}")
-        if rows <= self.staging_rows:
-            return
-        old = self.capacity
-        new = self.cache_rows + rows
-        if new > id_index.SLOT_MASK:
-            raise ValueError(f"a cache of {self.cache_rows} rows and {rows} staging rows passes the id index's "
-                             f"{id_index.SLOT_MASK} slots")
-        self.settle()
-        self._drop_protection()
-        rows_now, states_now = self.rows.data[:old].clone(), {k: v[:old].clone() for k, v in self.states.items()}
-        meta = {name: getattr(self, name)[:old].clone() for name in ("slot_ids", "slot_freq", "slot_last_use", "dirty")}
-        self.capacity, self.staging_rows = new, rows
-        self._allocate(new)  # the new slots are empty; index, pool, masks and next uses start afresh
-        self.rows[:old].copy_(rows_now)
-        for name, state in states_now.items():
-            self.states[name][:old].copy_(state)
-        for name, values in meta.items():
-            getattr(self, name)[:old].copy_(values)
-        self._rebuild_index()
-        self.generation += 1
-        self.slot_epoch += 1
+        """At least `rows` staging slots beyond `cache_rows`, allocated once, never shrunk (cache/staging.py)."""
+        staging.reserve(self, rows)
 
     def trim_resident(self, policy: Policy) -> None:
-        """Evict the lowest-scored unprotected rows until at most `cache_rows` are resident (a cache with staging
-        slots, at a prefetch window's activation and at the loop's end): the evictions a cache of `cache_rows`
-        makes for the window now protected, whose new rows were staged beside the window before it. Dirty rows
-        are written back in stream order (after the last backward). No host read under the CUDA rules: the
-        excess is a device count over a fixed top-k of `staging_rows` candidates."""
-        if not self.staging_rows:
-            return
-        c, s = self.capacity, self.staging_rows
-        ids = self.slot_ids[:c]
-        occupied = ids >= 0
-        excess = (occupied.sum() - self.cache_rows).clamp(min=0, max=s)
-        if counts_on_host(self.device) and int(excess) == 0:
-            return
-        score = self._score_all(policy, self.protected[:c], None)
-        score = torch.where(occupied, score, torch.full_like(score, PROTECTED))  # empty slots hold nothing
-        order = torch.topk(score, s, largest=False, sorted=True).indices
-        chosen = (torch.arange(s, device=self.device) < excess) & (score.index_select(0, order) < PROTECTED)
-        self.drop_rows(torch.where(chosen, ids.index_select(0, order), torch.full_like(order, -1)))
-        if not counts_on_host(self.device):
-            self.victim_pool.invalidate()  # the emptied slots score below the pool's bound
+        """Evict the lowest-scored unprotected rows back to `cache_rows` resident (cache/staging.py)."""
+        staging.trim(self, policy)
 
     def _drop_protection(self) -> None:
         """Unprotected slots fall back to their real scores, which may be below the victim pool's bound: they
