@@ -165,12 +165,17 @@ def test_fixed_shape_training_step_replays_in_a_cuda_graph():
     assert torch.equal(graphed.weight.detach(), eager.weight.detach())
 
 
-def test_prefetch_window_step_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("overlap,staging", [(False, 0), (True, 0.5)], ids=["in-order", "staged-overlap"])
+def test_prefetch_window_step_replays_in_a_cuda_graph(overlap, staging):
     """With prefetch (sync-free sizing, as on every CUDA cache; validate_inputs=False; static shapes) the step of a
     batch inside an admitted window (its ids resident and protected: lookup, pooled forward, fused backward, no
     victim choice) captured once in a CUDA graph and replayed on later batches, written into the static input,
     trains exactly as the same steps run eagerly. Window admission runs in the pipeline's `next()`, between
-    steps, outside the graph; no launch of the step reads a value on the host or sizes a grid by one."""
+    steps, outside the graph; no launch of the step reads a value on the host or sizes a grid by one. The capture
+    runs inside `loop.paused()`: the device read-ahead thread makes no CUDA call meanwhile (in the default global
+    capture mode another thread's event wait or pinned allocation fails the capture). With the staged overlap the
+    next window's rows move on a side stream while the replayed step computes (the staging slots are reserved
+    when the loop starts, before the capture, so the graph's addresses stay valid)."""
     rows, dim, lookups = 50_000, 32, 4096
     g = torch.Generator().manual_seed(0)
     batches = [((torch.rand(lookups, generator=g) ** 3 * rows).long(), torch.arange(0, lookups, 8))
@@ -183,7 +188,7 @@ def test_prefetch_window_step_replays_in_a_cuda_graph():
                                             optimizer=optim.Adagrad(lr=0.05), validate_inputs=False)
 
     def pipeline(m):
-        return cachedemb.prefetch(batches, [m], depth=2, horizon=4, overlap=False)
+        return cachedemb.prefetch(batches, [m], depth=2, horizon=4, overlap=overlap, staging_rows=staging)
 
     eager, graphed = make(), make()
     eager_out = []
@@ -193,7 +198,8 @@ def test_prefetch_window_step_replays_in_a_cuda_graph():
         out.square().sum().backward()
     static_ids = torch.empty(lookups, dtype=torch.int64, device="cuda")
     graph, static_out, graphed_out = torch.cuda.CUDAGraph(), None, []
-    for i, (ids, _) in enumerate(pipeline(graphed)):
+    loop = pipeline(graphed)
+    for i, (ids, _) in enumerate(loop):
         static_ids.copy_(ids)
         if i < 4:  # warm-up: every kernel variant of an in-window step compiled; the last on a side stream
             side = torch.cuda.Stream()
@@ -206,7 +212,7 @@ def test_prefetch_window_step_replays_in_a_cuda_graph():
             continue
         if i == 4:
             assert graphed.cache._window_active  # the captured step is a window batch's
-            with torch.cuda.graph(graph):
+            with loop.paused(), torch.cuda.graph(graph):
                 static_out = graphed(static_ids, offsets)
                 static_out.square().sum().backward()
         graph.replay()

@@ -32,7 +32,7 @@ from cachedemb.cache.host_memory import host_empty, pinned_copy
 from cachedemb.kernels import PROTECTED, id_index
 from cachedemb.kernels.gather import take
 from cachedemb.cache.policy import Policy, SlotView, resolve, score_kernel
-from cachedemb.cache import device_place, place_native, pool_native
+from cachedemb.cache import device_place, place_native, pool_native, staging
 from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.victim_pool import VictimPool
 
@@ -200,6 +200,9 @@ class EmbeddingCache:
         # inside a window for reasons of its own, and the layer compares the ids itself.
         self.window_misses_mean_other_ids = True
         self._windows: list[torch.Tensor] = []  # slots (loc_u) of the prefetch windows protected now
+        # Slots beyond `cache_rows` where a prefetch loop stages the next window's rows while the current one
+        # computes (`reserve_staging`, docs/prefetch.md); `capacity` counts them, `cache_rows` does not.
+        self.staging_rows = 0
         self._window_active = False  # an admitted window is protected (activate_window .. the next drop)
         self.table_starts = self.table_ranks = None  # set_tables(): per-table ranks for the policies
         # A host tier in front of this cache (cachedemb.storage) that fills host rows asynchronously: called
@@ -694,6 +697,19 @@ class EmbeddingCache:
         """Drop window protection (the pipeline ended); rows still in flight are waited for in stream order."""
         self.settle()
         self._drop_protection()
+
+    @property
+    def cache_rows(self) -> int:
+        """The rows the cache holds resident at each prefetch window's start: `capacity` less the staging slots."""
+        return self.capacity - self.staging_rows
+
+    def reserve_staging(self, rows: int) -> None:
+        """At least `rows` staging slots beyond `cache_rows`, allocated once, never shrunk (cache/staging.py)."""
+        staging.reserve(self, rows)
+
+    def trim_resident(self, policy: Policy) -> None:
+        """Evict the lowest-scored unprotected rows back to `cache_rows` resident (cache/staging.py)."""
+        staging.trim(self, policy)
 
     def _drop_protection(self) -> None:
         """Unprotected slots fall back to their real scores, which may be below the victim pool's bound: they

@@ -28,7 +28,9 @@ backward has been issued):
    to the window planned one window ago (`activate_window`: the current stream waits for its transfer's event).
    Then snapshot the slot ids (a non-blocking copy) for the next uses of the next window.
 3. overlap (default for CUDA caches, and for CPU caches of a threaded pipeline): if the next window fits beside
-   this one, plan it now and move its rows meanwhile: on CUDA on a side stream (which first waits for everything
+   this one (the union test on the two windows' rows; `staging_rows` slots beyond the cache's rows take the new
+   rows, trimmed back at the next activation: docs/prefetch.md, overlap.py), plan it now and move its rows
+   meanwhile: on CUDA on a side stream (which first waits for everything
    issued on the current stream; `record_stream`; an event); on CPU on a host thread ("cachedemb-window-copy"),
    started by the next announced forward once its module has counted who holds the host table (a copy in flight
    holds views of it: a later forward whose count finds an extra holder while a copy runs waits for the copy and
@@ -88,7 +90,8 @@ On a sharded model (`cachedemb.distributed.shard`), reading a batch ahead runs i
 sparse-dist train pipeline does: each rank's horizon and windows see the ids it owns after the exchange, and the
 batch's forward (the first after its yield) uses the exchanged input.
 
-Modules: `pipeline` (Prefetcher, prefetch: the training thread's side), `read_ahead` (the thread), `next_use`
+Modules: `pipeline` (Prefetcher, prefetch: the training thread's side), `overlap` (its overlap decisions and copy
+rule as plain logic), `read_ahead` (the thread), `next_use`
 (NextUseTracker), `id_map` (the host hash map under it), `host_map` (their per-id loops in C), `windows` (window
 depth and union).
 May import: cachedemb.cache, cachedemb.kernels (the torch reference of unique_ids) and torch; nothing imports it but

@@ -13,8 +13,9 @@ arrays, a few launches per batch of the horizon:
 
 The work runs on the read-ahead thread (`read_ahead.Worker`) on a side stream of its own; counts are read there
 through events (that thread waits, the training thread never does; nothing torch's sync debug mode flags). What
-leaves the thread (unions, next uses) is copied to pinned host memory first, as the host read-ahead hands them
-over, so no tensor of the side stream's allocator is used by another stream. `CACHEDEMB_READ_AHEAD=host|device`
+leaves the thread (unions, next uses) stays on the device, complete when handed over (the thread waited for its
+event); the training thread marks its stream's use of each (`record_stream`), so the side stream's allocator
+never hands the memory out while the training thread's stream still reads it. `CACHEDEMB_READ_AHEAD=host|device`
 chooses the read-ahead (default: device when every cache is on CUDA); the device one also runs on CPU tensors,
 where the tests compare it with the host one.
 """
@@ -43,6 +44,17 @@ def _on_host(t: torch.Tensor) -> torch.Tensor:
     event.record(torch.cuda.current_stream(t.device))
     event.synchronize()
     return host
+
+
+def _complete(t: torch.Tensor) -> torch.Tensor:
+    """`t` as it is, once this thread's stream has written it (an event waited for here, on this thread): a
+    result kept on the device for the training thread, which marks its own stream's use of the memory
+    (`record_stream`, pipeline.Prefetcher._upload) so the side stream's allocator does not reuse it early."""
+    if t.device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(t.device))
+        event.synchronize()
+    return t
 
 
 def _count(t: torch.Tensor) -> int:
@@ -180,17 +192,18 @@ class DeviceReadAhead(ReadAheadBase):
         self.entered = number + 1
         self._plan_windows()
 
-    def _plan(self, start: int, available: int) -> WindowInfo:
+    def _plan(self, start: int, available: int, prev_start: int | None) -> WindowInfo:
         with contextlib.ExitStack() as streams:
             for device in dict.fromkeys(self.devices):
                 streams.enter_context(self._stream(device))
-            info = plan_window(start, available, self.trackers, self.capacities, self.depth, locate=False)
+            info = plan_window(start, available, self.trackers, self.capacities, self.depth, locate=False,
+                               prev_start=prev_start)
             if info.unions is not None:
-                info.unions = [_on_host(u) for u in info.unions]
+                info.unions = [_complete(u) for u in info.unions]  # kept on the device: no round trip
         return info
 
     def _slot_uses(self, c: int, ids: torch.Tensor, now: int) -> torch.Tensor:
         device = self.devices[c]
         with self._stream(device):
             uses = self.trackers[c].slot_uses(self._on(device, ids), now, self.horizon, relative=True)
-            return _on_host(uses)
+            return _complete(uses)

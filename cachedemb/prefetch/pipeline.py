@@ -18,6 +18,8 @@ from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.policy import Policy, resolve
 from cachedemb.prefetch.device_read_ahead import DeviceReadAhead
 from cachedemb.prefetch.ids_check import IdsMismatchCheck
+from cachedemb.prefetch.overlap import (CURRENT, NONE, SIDE, CopyLog, WindowDecision, fits_beside, staging_rows_for,
+                                        to_device)
 from cachedemb.prefetch.read_ahead import ReadAhead, ReadAheadBase, Worker
 from cachedemb.prefetch.windows import WindowInfo
 
@@ -120,7 +122,7 @@ class Prefetcher:
 
     def __init__(self, batches: Iterable, modules: Sequence, depth: int = 4, horizon: int = 64,
                  ids: IdsFn | None = None, policy: str | Policy = "lookahead", overlap: bool | None = None,
-                 threaded: bool = True):
+                 threaded: bool = True, staging_rows: int | float = 0):
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(f"depth must be an int >= 1 (batches admitted together), got {depth!r}")
         if not isinstance(horizon, int) or isinstance(horizon, bool) or horizon < depth:
@@ -131,6 +133,8 @@ class Prefetcher:
         check_prefetchable(modules)
         if ids is not None and not callable(ids):
             raise TypeError(f"ids must be a function batch -> [one id tensor per module], got {type(ids).__name__}")
+        staging_rows_for(staging_rows, 1)  # bad values refused here, before anything is read
+        self.staging = staging_rows
         self.source = iter(batches)
         self.modules = list(modules)
         self.depth, self.horizon = depth, horizon
@@ -163,6 +167,9 @@ class Prefetcher:
         self.handoff: list[bool] = []  # per cache: whether it takes the forward hand-off
         self.cache_module: list[int] = []  # per cache: the index in `modules` whose ids it is read with
         self.unread = None  # IdsMismatchCheck, once the caches are known
+        self.decisions: list[WindowDecision] = []  # one per window, in order (overlap.py)
+        self.planned_ahead = None  # (planned_at, locked rows, slots) of the window in `pending`
+        self.copies = CopyLog()  # host-to-device copies this loop issued on its hot path
 
     # ----------------------------------------------------------------- reading
     def _targets(self, batch) -> list[tuple[EmbeddingCache, torch.Tensor]]:
@@ -188,11 +195,11 @@ class Prefetcher:
         span = self.read_ahead + SPAN_SLACK
         if read_ahead_on_device(caches):
             self.handoff = [False] * len(caches)
-            self.worker = DeviceReadAhead([c.capacity for c in caches], [c.device for c in caches], self.depth,
+            self.worker = DeviceReadAhead([c.cache_rows for c in caches], [c.device for c in caches], self.depth,
                                           self.horizon, span=span, threaded=self.threaded)
             return
         self.handoff = [accepts_ahead(c.device) for c in caches]
-        self.worker = ReadAhead([c.capacity for c in caches], self.depth, self.horizon, span=span,
+        self.worker = ReadAhead([c.cache_rows for c in caches], self.depth, self.horizon, span=span,
                                 locate=any(self.handoff), threaded=self.threaded)
 
     def _read_one(self) -> bool:
@@ -217,13 +224,23 @@ class Prefetcher:
             self._end()
             return False
         # Private copies: the caller may reuse or change its tensors; the read-ahead thread reads these later.
-        ids = [t.detach().reshape(-1).to(torch.int64, copy=True) if t.device.type == "cpu" else t.detach()
-               for _, t in targets]
+        ids = [self._private(t) for _, t in targets]
         self.worker.submit_enter(self.read_count, ids)
         self.buffer.append((self.read_count, batch, ids))
         self.read_count += 1
         self._add_seconds("prefetch_read", time.thread_time() - start)
         return True
+
+    def _private(self, t: torch.Tensor) -> torch.Tensor:
+        """A private copy of a batch's host ids (the caller may reuse its tensor; the read-ahead reads it later):
+        in pinned memory where the device read-ahead takes them to a GPU (its copy is then a non-blocking DMA on
+        its side stream, overlap.copy_plan); device ids as they are (the read-ahead copies them in stream order)."""
+        if t.device.type != "cpu":
+            return t.detach()
+        flat = t.detach().reshape(-1)
+        if isinstance(self.worker, DeviceReadAhead) and torch.cuda.is_available():
+            return torch.empty(flat.shape, dtype=torch.int64, pin_memory=True).copy_(flat)
+        return flat.to(torch.int64, copy=True)
 
     def _end(self) -> None:
         self.total = self.read_count
@@ -265,22 +282,66 @@ class Prefetcher:
                     raise RuntimeError("cachedemb.prefetch: a window planned in the background was not planned")
             for cache, plan in zip(self.caches, plans):
                 cache.activate_window(plan)
+                cache.trim_resident(self.policy)  # back to cache_rows: the staged rows are the window's now
+            self._decide(info, *self.planned_ahead)
+            self.planned_ahead = None
         else:
             info = self._wait(self.worker.window_future(start))
             plans = None
             if info.count:
                 next_use = self._next_use(start)
-                plans = [cache.admit_window(union, self.policy, nu, now=start)
-                         for cache, union, nu in zip(self.caches, info.unions, next_use)]
+                plans = []
+                for cache, union, nu in zip(self.caches, info.unions, next_use):
+                    plans.append(cache.admit_window(self._upload(union, cache, "window ids"), self.policy, nu,
+                                                    now=start))
+                    cache.trim_resident(self.policy)
                 self._snapshot(info.end)
             else:
                 for cache in self.caches:
                     cache.release_window()
+            self._decide(info, start, None, [cache.capacity for cache in self.caches], self._why_not)
         self.window_end = info.end
         self.window_batches.append(info.count)
         self.current = (info, plans)
-        if info.count and self._overlapping():
+        if not info.count:
+            self._why_not = "the batch before it took the per-batch path"
+        elif not self._overlapping():
+            self._why_not = "overlap off"
+        else:
+            self._why_not = ""
             self._plan_next(info)
+
+    _why_not = "first window"  # why the next window will not have been planned ahead, if it is not
+
+    def _decide(self, info: WindowInfo, planned_at: int, locked, slots, why: str = "") -> None:
+        """Log how the window `info` was admitted (overlap.WindowDecision); `locked`: the rows of the window in
+        use kept from being victims while its rows moved (None: it did not overlap)."""
+        count = len(self.caches)
+        rows = tuple(u.numel() for u in info.unions) if info.count else (0,) * count
+        new = tuple(info.new_rows) if info.count and info.new_rows is not None else rows
+        overlapped = locked is not None
+        if not info.count:
+            stream, why = NONE, why or "no window: the batch does not fit the cache"
+        elif overlapped:
+            stream = SIDE if all(self._moves_aside(cache) for cache in self.caches) else CURRENT
+        else:
+            stream, why = CURRENT, why or "overlap off"
+        locked = tuple(locked) if overlapped else (0,) * count
+        union = tuple(a + n for a, n in zip(locked, new)) if overlapped else rows
+        self.decisions.append(WindowDecision(info.start, info.count, planned_at, stream, overlapped, rows, new,
+                                             union, locked, tuple(slots), "" if overlapped else why))
+
+    def _moves_aside(self, cache: EmbeddingCache) -> bool:
+        """Whether a window planned ahead moves this cache's rows off the training thread's stream."""
+        return self._side_stream(cache) is not None
+
+    def _upload(self, t: torch.Tensor, cache: EmbeddingCache, site: str) -> torch.Tensor:
+        """A read-ahead result on the cache's device: a host one by the hot path's copy rule (overlap.py); one the
+        device read-ahead kept there (made on its stream, complete) marked as used by this thread's stream."""
+        if t.device == cache.device and t.device.type == "cuda":
+            t.record_stream(torch.cuda.current_stream(t.device))
+            return t
+        return to_device(t, cache.device, self.copies, site)
 
     def _overlapping(self) -> bool:
         if self.overlap is None:
@@ -307,16 +368,21 @@ class Prefetcher:
         if self.total is not None and start >= self.total:
             return
         info = self._wait(self.worker.window_future(start))
-        if not info.count or any(a.numel() + b.numel() > cache.capacity
-                                 for a, b, cache in zip(current.unions, info.unions, self.caches)):
+        if not info.count:
             return
+        locked = [a.numel() for a in current.unions]
+        new = info.new_rows if info.new_rows is not None else [b.numel() for b in info.unions]
+        if not all(fits_beside(a, n, cache.capacity) for a, n, cache in zip(locked, new, self.caches)):
+            self._why_not = "the union with the window in use passes the cache's slots"
+            return
+        self.planned_ahead = (current.start, locked, [cache.capacity for cache in self.caches])
         if self._in_background():
             self.pending = (start, info, self._plan_in_background(start, info))
             return
         next_use = self._next_use(start)
         plans = []
         for cache, union, nu in zip(self.caches, info.unions, next_use):
-            plan = cache.plan_window(union, self.policy, nu, now=start)
+            plan = cache.plan_window(self._upload(union, cache, "window ids"), self.policy, nu, now=start)
             cache.transfer_window(plan, self._side_stream(cache))
             plans.append(plan)
         self.pending = (start, info, plans)
@@ -343,7 +409,8 @@ class Prefetcher:
                 except CancelledError:  # the loop is closing: the read-ahead stopped, nothing was planned
                     return None
                 with copier.pausing():
-                    plan = cache.plan_window(union, self.policy, uses[c], now=start, counter=counter)
+                    plan = cache.plan_window(self._upload(union, cache, "window ids"), self.policy, uses[c],
+                                             now=start, counter=counter)
                     self._snapshot_part(c, cache, info.end)
                     cache.transfer_window(plan)  # the rows, now, on this thread
                 return plan
@@ -387,7 +454,9 @@ class Prefetcher:
                 entry = self.next_uses[start]
         snapshots, epochs, future = entry
         uses = self._wait(future) if here else future.result()
-        return [SlotNextUse(ids, u, start, epoch) for (ids, _), u, epoch in zip(snapshots, uses, epochs)]
+        uses = [self._upload(u, cache, "next uses") for u, cache in zip(uses, self.caches)]
+        ids = [self._upload(ids, cache, "snapshot ids") for (ids, _), cache in zip(snapshots, self.caches)]
+        return [SlotNextUse(i, u, start, epoch) for i, u, epoch in zip(ids, uses, epochs)]
 
     # ----------------------------------------------------------------- hand-off to the forward
     def _request_unique(self, offset: int) -> None:
@@ -426,6 +495,28 @@ class Prefetcher:
                 cache.seconds[stage] += seconds
 
     # ----------------------------------------------------------------- the loop
+    @contextmanager
+    def paused(self):
+        """Inside, no thread of this loop makes a CUDA call: the read-ahead thread ends the task it runs and
+        starts none until the block ends. Wrap a CUDA graph capture in the loop with it: a capture in the default
+        ("global") mode fails when another thread makes an unsafe CUDA call meanwhile (the read-ahead's event
+        waits, pinned allocations), and the loop cannot see the capture start. Asking the loop for its next batch
+        inside is refused (that waits for the read-ahead)."""
+        worker = self.worker.worker if self.worker is not None else None
+        if self._held:
+            raise RuntimeError("cachedemb.prefetch: paused() is already open on this loop")
+        if worker is not None:
+            worker.hold()
+        self._held = True
+        try:
+            yield self
+        finally:
+            self._held = False
+            if worker is not None:
+                worker.release()
+
+    _held = False
+
     def _claim(self) -> None:
         """Own the caches for this loop: two pipelines over one cache would each protect and admit their own
         windows and evict the other's rows mid-window. Refused before either changes anything."""
@@ -439,6 +530,8 @@ class Prefetcher:
                     "its iterator is released; call `.close()` on an iterator you keep) before starting another.")
         for cache in self.caches or []:
             cache.prefetch_owner = self
+        for cache in self.caches or []:
+            cache.reserve_staging(staging_rows_for(self.staging, cache.cache_rows))
 
     def __iter__(self) -> Iterator:
         self.refused = False
@@ -464,6 +557,9 @@ class Prefetcher:
                 self._collect_seconds()
                 self._notify("on_prefetch_yield")
                 yield batch
+                if self._held:
+                    raise RuntimeError("cachedemb.prefetch: the next batch was asked for inside paused(); end "
+                                       "the block first (the loop waits for its read-ahead thread)")
                 # The consumer asked for the next batch: this one's forward and backward are done.
                 self.unread.after_batch()
                 self.buffer.popleft()
@@ -496,6 +592,8 @@ class Prefetcher:
                 cache.window_forwards_left = 0
                 cache.ahead = None
                 cache.release_window()  # also unprotects a window planned ahead (overlap), never activated
+                if failure is None:
+                    cache.trim_resident(self.policy)  # the loop leaves at most cache_rows resident
                 cache.prefetch_owner = None
             self.pending = None
             read_ahead_failed = self.worker.worker.failed if self.worker is not None else None
@@ -516,7 +614,8 @@ class Prefetcher:
 
 
 def prefetch(batches: Iterable, modules: Sequence, depth: int = 4, horizon: int = 64, ids: IdsFn | None = None,
-             policy: str | Policy = "lookahead", overlap: bool | None = None) -> Prefetcher:
+             policy: str | Policy = "lookahead", overlap: bool | None = None,
+             staging_rows: int | float = 0) -> Prefetcher:
     """Wrap any iterable of batches so the modules' caches admit each window of up to `depth` batches in one go,
     evicting with knowledge of the next `horizon` batches' ids. Yields the batches unchanged.
 
@@ -528,7 +627,15 @@ def prefetch(batches: Iterable, modules: Sequence, depth: int = 4, horizon: int 
 
     A window holds as many batches (<= depth) as fit: one batch may fill a cache, several at most half of it;
     where not even one batch fits, that batch takes the modules' per-batch path. `overlap` (default: on) plans each
-    next window while the current one is in use, when both fit in the cache together, and moves its rows on a
-    side stream during the current window's compute (for a CPU cache a host thread plans and moves it).
+    next window while the current one is in use, when the union of the two fits in the cache's slots, and moves
+    its rows on a side stream during the current window's compute (for a CPU cache a host thread plans and moves
+    it); the current window's rows are never victims meanwhile. `staging_rows` (an int: rows per cache; a float:
+    a share of each cache's rows) gives each cache that many slots beyond its rows, allocated once and kept
+    (counted in `device_bytes`), where the next window's new rows land: size it to a batch's misses and every
+    window fits beside the one before it, while at each window's start the cache trims itself back to its rows
+    (what a cache without staging evicts for that window): overlap then moves no more rows than admitting in
+    order (docs/prefetch.md). `Prefetcher.decisions` logs how each window was admitted; `paused()` keeps the
+    loop's threads quiet around a CUDA graph capture.
     """
-    return Prefetcher(batches, modules, depth=depth, horizon=horizon, ids=ids, policy=policy, overlap=overlap)
+    return Prefetcher(batches, modules, depth=depth, horizon=horizon, ids=ids, policy=policy, overlap=overlap,
+                      staging_rows=staging_rows)

@@ -75,6 +75,10 @@ class Worker:
         # so on a small machine the copy (which the next window waits for) does not share a core with the
         # read-ahead; urgent ones (a forward's unique ids, needed sooner than the copy) still start
         self.paused = False
+        # set while the training thread holds the worker (`hold`: a CUDA graph capture): no task starts, urgent
+        # ones included; `running` says whether a call is under way (`hold` waits for it to end)
+        self.held = False
+        self.running = False
         self.thread = None
         if threaded:
             self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -91,7 +95,7 @@ class Worker:
                 future.cancel()
                 return future
             (self.urgent if urgent else self.ordered).append((future, fn, args))
-            self.ready.notify()
+            self.ready.notify_all()
         return future
 
     def _call(self, future: Future, fn, args) -> None:
@@ -116,17 +120,36 @@ class Worker:
     def resume(self) -> None:
         with self.ready:
             self.paused = False
-            self.ready.notify()
+            self.ready.notify_all()
+
+    def hold(self) -> None:
+        """Start no task until `release`, and return once the running one (if any) has ended: the thread makes
+        no call meanwhile."""
+        with self.ready:
+            self.held = True
+            while self.running:
+                self.ready.wait()
+
+    def release(self) -> None:
+        with self.ready:
+            self.held = False
+            self.ready.notify_all()
 
     def _run(self) -> None:
         while True:
             with self.ready:
-                while not (self.urgent or (self.ordered and not self.paused) or self.stopping):
+                while not ((not self.held and (self.urgent or (self.ordered and not self.paused))) or self.stopping):
                     self.ready.wait()
                 if self.stopping:
                     return
                 future, fn, args = (self.urgent or self.ordered).popleft()
-            self._call(future, fn, args)
+                self.running = True
+            try:
+                self._call(future, fn, args)
+            finally:
+                with self.ready:
+                    self.running = False
+                    self.ready.notify_all()
 
     def close(self) -> None:
         """Cancel what has not started; wait for the running call."""
@@ -138,7 +161,7 @@ class Worker:
                 future.cancel()
             self.urgent.clear()
             self.ordered.clear()
-            self.ready.notify()
+            self.ready.notify_all()
         self.thread.join()
         _LIVE_WORKERS.discard(self)
 
@@ -155,6 +178,7 @@ class ReadAheadBase(abc.ABC):
         self.entered = 0
         self.total: int | None = None  # batches in the source, once it ended
         self.next_start = 0  # the next window to plan
+        self.prev_start: int | None = None  # the window planned last (its batches end at next_start)
         self.lock = threading.Lock()
         self.windows: dict[int, Future] = {}
         self.seconds: list[dict[str, float]] = [defaultdict(float) for _ in capacities]
@@ -206,10 +230,10 @@ class ReadAheadBase(abc.ABC):
             if available <= 0 or (available < self.depth and self.total is None):
                 return
             began = time.thread_time()
-            info = self._plan(start, available)
+            info = self._plan(start, available, self.prev_start)
             for c in range(len(self.capacities)):
                 self._time(c, "prefetch_window_plan", began)
-            self.next_start = info.end
+            self.prev_start, self.next_start = start, info.end
             future = self.window_future(start)
             if not future.cancelled():
                 future.set_result(info)
@@ -233,8 +257,9 @@ class ReadAheadBase(abc.ABC):
         """Batch `number`'s staged ids per cache into the trackers; then `_plan_windows`."""
 
     @abc.abstractmethod
-    def _plan(self, start: int, available: int) -> WindowInfo:
-        """The window starting at `start`, from the `available` batches entered from there."""
+    def _plan(self, start: int, available: int, prev_start: int | None) -> WindowInfo:
+        """The window starting at `start`, from the `available` batches entered from there; its `new_rows`
+        counted against the window at `prev_start` (None: the first)."""
 
     @abc.abstractmethod
     def _slot_uses(self, c: int, ids: torch.Tensor, now: int) -> torch.Tensor:
@@ -286,8 +311,8 @@ class ReadAhead(ReadAheadBase):
         self.entered = number + 1
         self._plan_windows()
 
-    def _plan(self, start: int, available: int) -> WindowInfo:
-        return plan_window(start, available, self.trackers, self.capacities, self.depth, self.locate)
+    def _plan(self, start: int, available: int, prev_start: int | None) -> WindowInfo:
+        return plan_window(start, available, self.trackers, self.capacities, self.depth, self.locate, prev_start)
 
     def _slot_uses(self, c: int, ids: torch.Tensor, now: int) -> torch.Tensor:
         return self.trackers[c].slot_uses(ids, now, self.horizon, relative=True)

@@ -13,6 +13,10 @@ uses (`NextUseTracker.used_between`, the bits the tracker keeps anyway), and the
 ends the window: no plan is made, shrunk and made again. Each batch's distinct ids are located in the union
 (`positions`), so a forward inside the window can take its cache slots from the window's admission instead of
 looking them up.
+
+Each window also counts its rows outside the window before it (`new_rows`, |B - A| for the window B after A): the
+pipeline's overlap test is on the union of the two, |A| + |B - A| = |A or B|, not on |A| + |B|
+(docs/prefetch.md).
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ class WindowInfo:
     count: int
     unions: list[torch.Tensor] | None  # per cache: the window's distinct ids (host; in batch order, not sorted)
     positions: list[list[torch.Tensor]] | None  # per batch, per cache: where its distinct ids sit in the union
+    # per cache: the union's ids no batch of the window before it uses (|B - A|; the whole union for the first)
+    new_rows: list[int] | None = None
 
     @property
     def end(self) -> int:
@@ -45,12 +51,15 @@ def window_limit(capacity: int, count: int) -> int:
 
 
 def plan_window(start: int, available: int, trackers: list[NextUseTracker], capacities: list[int], depth: int,
-                locate: bool) -> WindowInfo:
+                locate: bool, prev_start: int | None = None) -> WindowInfo:
     """The window starting at `start` over the next `available` batches read (at most `depth` taken), per cache
     c of `capacities[c]` rows whose batches `trackers[c]` holds (a `NextUseTracker`, or the device read-ahead's
-    `SortedIdsTracker`, which keeps no map positions and so plans windows that locate nothing)."""
+    `SortedIdsTracker`, which keeps no map positions and so plans windows that locate nothing). `prev_start`: the
+    start of the window before it (batches [prev_start, start)), against which `new_rows` is counted."""
     added: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per batch, per cache: (ids, map positions) it adds
     sizes = [0] * len(trackers)
+    outside = [0] * len(trackers)  # per cache: ids of the batches taken that neither the previous window uses
+    prev = start if prev_start is None else prev_start
     for k in range(min(available, depth)):
         batch = start + k
         fresh = []
@@ -70,6 +79,14 @@ def plan_window(start: int, available: int, trackers: list[NextUseTracker], capa
             break
         added.append(fresh)
         sizes = grown
+        for c, (tracker, (ids, _)) in enumerate(zip(trackers, fresh)):
+            # ids no earlier batch of this window nor of the previous one uses: each of B - A counted once, at its
+            # first batch in B (the two windows are adjacent: [prev, batch) covers both)
+            if prev >= start:
+                outside[c] += ids.numel()
+            else:
+                whole = tracker.ring_entry(batch)[0].numel()
+                outside[c] += tracker.unused_between(batch, prev, batch, whole).numel()
     count = len(added)
     if count == 0:
         return WindowInfo(start, 0, None, None)
@@ -84,4 +101,4 @@ def plan_window(start: int, available: int, trackers: list[NextUseTracker], capa
                               torch.arange(unions[c].numel(), dtype=index.dtype))
             for k in range(count):
                 positions[k].append(index.index_select(0, tracker.ring_entry(start + k)[1]).to(torch.int64))
-    return WindowInfo(start, count, unions, positions)
+    return WindowInfo(start, count, unions, positions, outside)
