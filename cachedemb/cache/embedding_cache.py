@@ -35,12 +35,56 @@ from cachedemb.cache.policy import Policy, SlotView, resolve, score_kernel
 from cachedemb.cache import device_place, place_native, pool_native, score_native
 from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.victim_pool import VictimPool
+from cachedemb.cache.window_misses import WindowMisses
 
 PREFETCH_STAGES = ("prefetch_read", "prefetch_wait", "prefetch_unique", "prefetch_next_use", "prefetch_window_plan",
                    "prefetch_forward_unique", "prefetch_next_use_query")
 STAT_NAMES = ("lookups", "unique", "hits", "misses", "evictions", "rows_in", "rows_out", "windows",
-              "window_rows_in", "host_rows", "invalid_ids", "invalid_offsets")
+              "window_rows_in", "host_rows", "invalid_ids", "invalid_offsets", "window_misses")
 _STAT = {name: i for i, name in enumerate(STAT_NAMES)}
+
+#: `cache_stats()["seconds"]`: each internal timer (`EmbeddingCache.seconds`) under a readable name. An entry
+#: includes the ones its work calls: `lookup` the `eviction`, `index_rebuild` and `count_halving` of batches,
+#: `prefetch.window_admission` its window's `eviction` and `next_use_refresh`.
+SECONDS = {
+    "lookup": "prepare",  # a forward's cache work: ids looked up, misses admitted (victims, row moves issued)
+    "eviction": "victim_rank",  # ranking slots for victims (the victim pool's check and its full rankings)
+    "index_rebuild": "index_rebuild",  # clearing the id index's tombstones (O(cache), rare)
+    "count_halving": "halve_counts",  # freq_halflife: every access count halved
+    "flush": "flush",  # dirty rows written back to the host table (m.weight, state_dict, checkpoints)
+    "prefetch": {
+        "read": "prefetch_read",  # the training thread reading batches and extracting their ids
+        "wait": "prefetch_wait",  # the training thread waiting for the read-ahead thread
+        "window_admission": "admit_window",  # planning a window: victims, slot metadata, index
+        "next_use_refresh": "next_use_refresh",  # the look-ahead policy's next uses set for a window
+        "window_protect": "window_protect",  # protecting a window's slots as it starts
+        "row_moves_wait": "transfer_wait",  # waiting for a window's row copies (CPU: a host thread's)
+        "read_ahead": {  # on the read-ahead thread, beside the step
+            "unique": "prefetch_unique",  # each batch's distinct ids
+            "next_use": "prefetch_next_use",  # the id horizon's use bits updated
+            "window_plan": "prefetch_window_plan",  # window depth and union
+            "next_use_query": "prefetch_next_use_query",  # next uses of the resident ids for a window
+            "forward_unique": "prefetch_forward_unique",  # the forward's unique ids, handed over
+        },
+    },
+}
+
+
+def _named_seconds(layout: dict, seconds: dict[str, float]) -> dict:
+    return {name: _named_seconds(key, seconds) if isinstance(key, dict) else seconds[key]
+            for name, key in layout.items()}
+
+
+def _window_rows_as_misses(values: dict) -> dict:
+    """Raw counters -> reported: a window's admitted rows move from `hits` to `misses` at their first lookup."""
+    values["hits"] = values["hits"] - values["window_misses"]
+    values["misses"] = values["misses"] + values["window_misses"]
+    return values
+
+
+def hit_rate(hits: int, unique: int) -> float:
+    """hits / unique (nan before any lookup)."""
+    return hits / unique if unique else float("nan")
 
 
 @dataclass
@@ -230,6 +274,7 @@ class EmbeddingCache:
         self._live_index = "hash"
         self._index_limit = (id_index.index_size(self.capacity) * 5) // 8
         self.victim_pool = VictimPool(self.capacity, dev)
+        self.window_misses: WindowMisses | None = None  # while a prefetch loop runs (cache/window_misses.py)
 
     def _set_rows(self, data: torch.Tensor, spare: int = 0) -> None:
         """The cache rows; on CPU they are the first C rows of `rows_spare`, a buffer with room for `spare` more:
@@ -287,6 +332,7 @@ class EmbeddingCache:
                    self.protected, self.hit_mark, self.index_keys, self.index_slots, self.index_used, self.stats,
                    self.history]
         tensors += list(self.states.values())
+        tensors += [self.window_misses.marks] if self.window_misses is not None else []
         tensors += [t for t in (self.table_starts, self.table_ranks) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -378,12 +424,15 @@ class EmbeddingCache:
         # Per-unique buffers: exactly n long on CPU (free to know there), the fixed capacity B on CUDA.
         cap = self._on_host(n_uniq, n_lookups)
         uniq, counts = uniq[:cap], counts[:cap]
-        if ahead and ahead[1] is not None:  # every id in a window's slots: all hits, nothing to place
+        if ahead and ahead[1] is not None:  # every id in a window's slots: nothing to place
             loc_u, live = ahead[1], torch.ones(cap, dtype=torch.bool, device=self.device)
-            n_hit, n_miss = n_uniq, torch.zeros_like(n_uniq)
+            n_hit = (loc_u >= 0).sum().reshape(1)  # (a window that did not fit serves the rest from the host)
+            n_miss = n_uniq - n_hit
+            self._count_window_misses(loc_u)
         else:
             self.settle()  # misses may read host rows that a window transfer in flight writes back
-            loc_u, live, n_hit, n_miss, _ = self._place(uniq, n_uniq, self.policy)
+            loc_u, live, n_hit, n_miss, move = self._place(uniq, n_uniq, self.policy)
+            self._count_window_misses(loc_u, move)
         c = place_native.native()
         lookups = None if c is None else place_native.count_uses(
             c, loc_u, live, counts, inverse, self.dump, self.batch_counter, self.slot_freq, self.slot_last_use,
@@ -417,7 +466,9 @@ class EmbeddingCache:
         loc_u, _, _, move = device_place.place_batch(self, uniq, n_uniq, self.policy, bufs, sizes, counts=counts,
                                                      train=train, count_lookups=True, admit=admit)
         if admit:
-            self._move_rows(RowMove(*move), add=bufs.add if train else None)
+            move = RowMove(*move)
+            self._move_rows(move, add=bufs.add if train else None)
+        self._count_window_misses(loc_u, move if admit else None)
         plan = BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation, groups, bufs.bag)
         return self._finish_prepare(plan, train, start)
 
@@ -431,6 +482,16 @@ class EmbeddingCache:
         self.history_batches += 1
         self.seconds["prepare"] += time.perf_counter() - start
         return plan
+
+    def _count_window_misses(self, loc_u: torch.Tensor, move: RowMove | None = None) -> None:
+        """While a prefetch loop runs: the batch's rows a window admitted, first looked up now, count as its
+        misses (`move`: the batch's own admissions, whose slots lose a window's stale mark first)."""
+        if self.window_misses is None:
+            return
+        if move is not None and move.miss_dest is not None:
+            self.window_misses.admitted(move.miss_dest, move.n_miss, by_window=False)
+        i = _STAT["window_misses"]
+        self.window_misses.count(loc_u, self.stats[i:i + 1])
 
     def _wait_for_window_rows(self) -> bool:
         """A forward the prefetch pipeline did not announce, while a window transfer runs on a side stream: its
@@ -481,6 +542,10 @@ class EmbeddingCache:
         loc_u, _, _, n_miss, move = self._place(uniq, n_uniq, policy, transfer=False, window=True,
                                                 counter=self.batch_counter if counter is None else counter)
         self.bump_stats(windows=torch.ones(1, dtype=torch.int64, device=self.device), window_rows_in=n_miss)
+        if move is not None:
+            if self.window_misses is None:
+                self.window_misses = WindowMisses(self.capacity, self.device)
+            self.window_misses.admitted(move.miss_dest, move.n_miss, by_window=True)
         self._protect(loc_u)
         self._windows.append(loc_u)
         self.seconds["admit_window"] += time.perf_counter() - start
@@ -684,6 +749,7 @@ class EmbeddingCache:
         """Drop window protection (the pipeline ended); rows still in flight are waited for in stream order."""
         self.settle()
         self._drop_protection()
+        self.window_misses = None  # rows admitted for batches that never ran count as neither hits nor misses
 
     def _drop_protection(self) -> None:
         """Unprotected slots fall back to their real scores, which may be below the victim pool's bound: they
@@ -1156,16 +1222,24 @@ class EmbeddingCache:
         return self.dim * self.host_weight.element_size() + sum(
             t.shape[1] * t.element_size() for t in self.host_states.values())
 
-    def stats_dict(self) -> dict[str, int]:
-        """The counters as host ints (a host sync on CUDA)."""
-        values = dict(zip(STAT_NAMES, self.stats.tolist()))
+    def stats_dict(self) -> dict[str, int | float]:
+        """The counters as host ints (a host sync on CUDA), rows a window admitted counted as misses, and
+        `hit_rate` (CachedEmbeddingBag.cache_stats says what each one counts)."""
+        values = _window_rows_as_misses(dict(zip(STAT_NAMES, self.stats.tolist())))
+        values["hit_rate"] = hit_rate(values["hits"], values["unique"])
         values["bytes_in"] = values["rows_in"] * (self.row_bytes() + 8)
         values["bytes_out"] = values["rows_out"] * self.row_bytes()
         return values
 
-    def timing_dict(self) -> dict[str, float]:
-        """Host seconds spent in cache operations (on CUDA: issuing them; they run asynchronously)."""
-        return dict(self.seconds)
+    def distinct_peak(self) -> int:
+        """The most distinct ids one batch placed under the CUDA rules looked up, among the counts that already
+        reached the host without a sync (cache/miss_estimate.py); 0 before any."""
+        return self.victim_pool.misses.distinct_peak
+
+    def timing_dict(self) -> dict:
+        """Host seconds spent in cache operations (on CUDA: issuing them; they run asynchronously), under the
+        readable names of SECONDS (nested: the prefetch pipeline's stages under "prefetch")."""
+        return _named_seconds(SECONDS, self.seconds)
 
     def history_dict(self) -> dict[str, list[int]]:
         """Per-batch counters of the last `history` batches, oldest first (a host sync on CUDA). Window
@@ -1183,8 +1257,8 @@ class EmbeddingCache:
         else:
             deltas, batches = cumulative[1:] - cumulative[:-1], list(range(first + 1, self.history_batches))
         out = {"batch": batches}
-        out.update({name: deltas[:, i].tolist() for i, name in enumerate(STAT_NAMES)})
-        return out
+        out.update(_window_rows_as_misses({name: deltas[:, i] for i, name in enumerate(STAT_NAMES)}))
+        return {k: v if k == "batch" else v.tolist() for k, v in out.items()}
 
     def reset_stats(self) -> None:
         # a window planned in the background before the reset counts before it, as one planned inline would

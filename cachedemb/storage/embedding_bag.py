@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from cachedemb.cache.ahead import AheadBatch, accepts_ahead
+from cachedemb.modules.cache_stats import rate_of
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.modules.errors import InvalidIdError, InvalidInputTypeError, NotATensorError
 from cachedemb.modules.factory import register_storage
@@ -585,13 +586,15 @@ class FileBackedEmbeddingBag(nn.Module):
         return self
 
     def cache_stats(self) -> dict:
-        """The device cache's counters (CachedEmbeddingBag.cache_stats) plus `host_cache` (hits, misses,
-        evicted, written_back, staging_rows, host_bytes) and `file` (rows/bytes read and written, syscalls,
-        blocks copied on write, commits, file_bytes)."""
+        """The device cache's counters (CachedEmbeddingBag.cache_stats) plus `host_cache` (hits and misses of
+        table ids in the host cache, hit_rate = hits / (hits + misses), evicted, written_back, staging_rows,
+        rows, host_bytes) and `file` (rows/bytes read and written, syscalls, blocks copied on write, commits,
+        file_bytes)."""
         self.host.settle()
         stats = self.inner.cache_stats()
         stats["host_cache"] = dict(self.host.stats, rows=self.host.base - self.host.first,
                                    host_bytes=self.host.host_bytes())
+        stats["host_cache"]["hit_rate"] = rate_of(stats["host_cache"])
         stats["file"] = dict(self.table.stats, file_bytes=self.table.file_bytes(), log=self.table.log is not None,
                              row_map_bytes=self.table.index_bytes(),
                              **(self.table.log.stats if self.table.log is not None else {}))
