@@ -69,9 +69,9 @@ def warn_if_too_small(module, plan, stacklevel: int = 5) -> None:
     if distinct <= cache.capacity:
         return
     module._warned_small_cache = True
-    rows = module.num_embeddings
+    rows = getattr(module, "_ratio_rows", module.num_embeddings)  # a table on file: its rows, not the slab's
     warnings.warn(
-        f"{type(module).__name__}: a batch looked up {distinct} distinct ids, more than the {cache.capacity} rows "
+        f"{getattr(module, '_warn_as', type(module).__name__)}: a batch looked up {distinct} distinct ids, more than the {cache.capacity} rows "
         f"of the device cache, so at least {distinct - cache.capacity} of its rows were served from the host "
         f"table (exact, but slower). cache_rows={distinct} (cache_ratio={ratio_holding(distinct, rows):g} of "
         f"{rows} rows) holds such a batch; with prefetch, windows of several batches want about twice that.",
