@@ -275,6 +275,7 @@ class EmbeddingCache:
         self._index_limit = (id_index.index_size(self.capacity) * 5) // 8
         self.victim_pool = VictimPool(self.capacity, dev)
         self.window_misses: WindowMisses | None = None  # while a prefetch loop runs (cache/window_misses.py)
+        self._window_admits: list = []  # (window slots, [1] rows it admitted), under the CUDA rules
 
     def _set_rows(self, data: torch.Tensor, spare: int = 0) -> None:
         """The cache rows; on CPU they are the first C rows of `rows_spare`, a buffer with room for `spare` more:
@@ -493,6 +494,15 @@ class EmbeddingCache:
         i = _STAT["window_misses"]
         self.window_misses.count(loc_u, self.stats[i:i + 1])
 
+    def _end_windows(self, keep=None) -> None:
+        """Under the CUDA rules the rows a window admitted count as misses when it ends (its batches have run):
+        one add per window instead of per-slot marks read by every batch (cache/window_misses.py, where counts
+        are on the host), so totals are exact between windows and per-batch history lags up to a window."""
+        ended = [n for loc, n in self._window_admits if loc is not keep]
+        self._window_admits = [(loc, n) for loc, n in self._window_admits if loc is keep]
+        for n in ended:
+            self.bump_stats(window_misses=n)
+
     def _wait_for_window_rows(self) -> bool:
         """A forward the prefetch pipeline did not announce, while a window transfer runs on a side stream: its
         misses may read host rows that the transfer is writing back, so it waits for the transfer. Returns
@@ -513,6 +523,7 @@ class EmbeddingCache:
         `next_use` (the next known use of each slot's id, see `SlotNextUse`) feeds the policy; `now` is the
         batch number the window starts at.
         """
+        self._end_windows()
         self._drop_protection()
         plan = self.plan_window(uniq, policy, next_use, now)
         self.transfer_window(plan)
@@ -542,10 +553,12 @@ class EmbeddingCache:
         loc_u, _, _, n_miss, move = self._place(uniq, n_uniq, policy, transfer=False, window=True,
                                                 counter=self.batch_counter if counter is None else counter)
         self.bump_stats(windows=torch.ones(1, dtype=torch.int64, device=self.device), window_rows_in=n_miss)
-        if move is not None:
+        if move is not None and counts_on_host(self.device):
             if self.window_misses is None:
                 self.window_misses = WindowMisses(self.capacity, self.device)
             self.window_misses.admitted(move.miss_dest, move.n_miss, by_window=True)
+        elif move is not None:  # under the CUDA rules, counted when the window ends (a launch per window)
+            self._window_admits.append((loc_u, move.n_admit))
         self._protect(loc_u)
         self._windows.append(loc_u)
         self.seconds["admit_window"] += time.perf_counter() - start
@@ -634,6 +647,7 @@ class EmbeddingCache:
             if self._pending is plan.done:
                 self._pending = None
         others = [loc for loc in self._windows if loc is not plan.loc_u]
+        self._end_windows(keep=plan.loc_u)
         if others:
             if counts_on_host(self.device):
                 # O(windows), not O(cache): the other windows' slots join the pool, every window's protection
@@ -748,6 +762,7 @@ class EmbeddingCache:
     def release_window(self) -> None:
         """Drop window protection (the pipeline ended); rows still in flight are waited for in stream order."""
         self.settle()
+        self._end_windows()
         self._drop_protection()
         self.window_misses = None  # rows admitted for batches that never ran count as neither hits nor misses
 

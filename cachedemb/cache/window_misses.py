@@ -4,9 +4,11 @@ A window moves its batches' missing rows in before they run, so their forwards f
 same rows came from the host as without prefetch, so `cache_stats()` still counts them as misses: a window marks
 the slots it fills, and the first batch that looks a marked slot up takes the mark off and counts it in
 `window_misses`, which `EmbeddingCache.stats_dict` moves from `hits` to `misses`. A row admitted by a batch
-itself clears its slot's mark (it is that batch's miss already). All on the device, no host read; the marks
-exist only while a prefetch loop runs (`EmbeddingCache.release_window` drops them: a row its window admitted
-and no batch then looked up counts as neither).
+itself clears its slot's mark (it is that batch's miss already). The marks exist only while a prefetch loop
+runs (`EmbeddingCache.release_window` drops them: a row its window admitted and no batch then looked up counts
+as neither), and only where counts are on the host: under the CUDA rules, whose launch budget a per-batch gather
+would strain, a window's admitted rows count as misses when the window ends (`EmbeddingCache._end_windows`),
+which gives the same totals at every window boundary.
 """
 from __future__ import annotations
 

@@ -704,7 +704,9 @@ class CachedEmbeddingBag(nn.Module):
         - `hits`: distinct ids whose row was in the device cache before the batch; `misses`: the others, so
           hits + misses = unique. A row a prefetch window moved in ahead counts as a miss of the first batch
           that looks it up (the same rows come from the host with prefetch or without, so a trace whose rows
-          prefetch moves as the cache alone would gives the same hit_rate either way).
+          prefetch moves as the cache alone would gives the same hit_rate either way). Under the CUDA rules
+          (a CUDA cache, or CACHEDEMB_SYNC_FREE=1) they are counted when their window ends: the same totals
+          at every window boundary, and `cache_history()` gives them to the batch after the window.
         - `hit_rate`: hits / unique (nan before any lookup).
         - `window_misses`: the misses of that kind (rows a window moved in before the batch needed them).
         - `rows_in`: rows copied host -> device (batch misses admitted and window admissions); `host_rows`:
