@@ -76,12 +76,26 @@ class LazyKernel:
 
 
 class _TritonStandIn:
-    """`triton` before it is imported: `jit` records kernels; anything else imports Triton."""
+    """`triton` before it is imported: `jit` records kernels, the integer helpers the torch paths size buffers
+    with are Triton's own arithmetic; anything else imports Triton."""
 
     def jit(self, fn=None, **options):
         if fn is None:
             return lambda f: LazyKernel(f, options)
         return LazyKernel(fn, options)
+
+    @staticmethod
+    def next_power_of_2(n: int) -> int:
+        """triton.next_power_of_2, bit for bit."""
+        n -= 1
+        for shift in (1, 2, 4, 8, 16, 32):
+            n |= n >> shift
+        return n + 1
+
+    @staticmethod
+    def cdiv(x: int, y: int) -> int:
+        """triton.cdiv."""
+        return (x + y - 1) // y
 
     def __getattr__(self, name):
         return getattr(load(), name)
