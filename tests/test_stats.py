@@ -134,7 +134,7 @@ def test_hit_rate_under_prefetch_equals_a_replay_of_what_was_resident(overlap, s
 
 
 def test_every_timer_has_one_readable_name():
-    from cachedemb.cache.embedding_cache import SECONDS
+    from cachedemb.cache.counters import SECONDS
     from cachedemb.modules.cache_stats import flat_seconds
 
     def leaves(layout):

@@ -35,6 +35,7 @@ from cachedemb.cache.policy import Policy, SlotView, resolve, score_kernel
 from cachedemb.cache import device_place, place_native, pool_native, score_native
 from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.victim_pool import VictimPool
+from cachedemb.cache.counters import SECONDS, hit_rate, named_seconds, window_rows_as_misses
 from cachedemb.cache.window_misses import WindowMisses
 
 PREFETCH_STAGES = ("prefetch_read", "prefetch_wait", "prefetch_unique", "prefetch_next_use", "prefetch_window_plan",
@@ -42,49 +43,6 @@ PREFETCH_STAGES = ("prefetch_read", "prefetch_wait", "prefetch_unique", "prefetc
 STAT_NAMES = ("lookups", "unique", "hits", "misses", "evictions", "rows_in", "rows_out", "windows",
               "window_rows_in", "host_rows", "invalid_ids", "invalid_offsets", "window_misses")
 _STAT = {name: i for i, name in enumerate(STAT_NAMES)}
-
-#: `cache_stats()["seconds"]`: each internal timer (`EmbeddingCache.seconds`) under a readable name. An entry
-#: includes the ones its work calls: `lookup` the `eviction`, `index_rebuild` and `count_halving` of batches,
-#: `prefetch.window_admission` its window's `eviction` and `next_use_refresh`.
-SECONDS = {
-    "lookup": "prepare",  # a forward's cache work: ids looked up, misses admitted (victims, row moves issued)
-    "eviction": "victim_rank",  # ranking slots for victims (the victim pool's check and its full rankings)
-    "index_rebuild": "index_rebuild",  # clearing the id index's tombstones (O(cache), rare)
-    "count_halving": "halve_counts",  # freq_halflife: every access count halved
-    "flush": "flush",  # dirty rows written back to the host table (m.weight, state_dict, checkpoints)
-    "prefetch": {
-        "read": "prefetch_read",  # the training thread reading batches and extracting their ids
-        "wait": "prefetch_wait",  # the training thread waiting for the read-ahead thread
-        "window_admission": "admit_window",  # planning a window: victims, slot metadata, index
-        "next_use_refresh": "next_use_refresh",  # the look-ahead policy's next uses set for a window
-        "window_protect": "window_protect",  # protecting a window's slots as it starts
-        "row_moves_wait": "transfer_wait",  # waiting for a window's row copies (CPU: a host thread's)
-        "read_ahead": {  # on the read-ahead thread, beside the step
-            "unique": "prefetch_unique",  # each batch's distinct ids
-            "next_use": "prefetch_next_use",  # the id horizon's use bits updated
-            "window_plan": "prefetch_window_plan",  # window depth and union
-            "next_use_query": "prefetch_next_use_query",  # next uses of the resident ids for a window
-            "forward_unique": "prefetch_forward_unique",  # the forward's unique ids, handed over
-        },
-    },
-}
-
-
-def _named_seconds(layout: dict, seconds: dict[str, float]) -> dict:
-    return {name: _named_seconds(key, seconds) if isinstance(key, dict) else seconds[key]
-            for name, key in layout.items()}
-
-
-def _window_rows_as_misses(values: dict) -> dict:
-    """Raw counters -> reported: a window's admitted rows move from `hits` to `misses` at their first lookup."""
-    values["hits"] = values["hits"] - values["window_misses"]
-    values["misses"] = values["misses"] + values["window_misses"]
-    return values
-
-
-def hit_rate(hits: int, unique: int) -> float:
-    """hits / unique (nan before any lookup)."""
-    return hits / unique if unique else float("nan")
 
 
 @dataclass
@@ -1240,7 +1198,7 @@ class EmbeddingCache:
     def stats_dict(self) -> dict[str, int | float]:
         """The counters as host ints (a host sync on CUDA), rows a window admitted counted as misses, and
         `hit_rate` (CachedEmbeddingBag.cache_stats says what each one counts)."""
-        values = _window_rows_as_misses(dict(zip(STAT_NAMES, self.stats.tolist())))
+        values = window_rows_as_misses(dict(zip(STAT_NAMES, self.stats.tolist())))
         values["hit_rate"] = hit_rate(values["hits"], values["unique"])
         values["bytes_in"] = values["rows_in"] * (self.row_bytes() + 8)
         values["bytes_out"] = values["rows_out"] * self.row_bytes()
@@ -1254,7 +1212,7 @@ class EmbeddingCache:
     def timing_dict(self) -> dict:
         """Host seconds spent in cache operations (on CUDA: issuing them; they run asynchronously), under the
         readable names of SECONDS (nested: the prefetch pipeline's stages under "prefetch")."""
-        return _named_seconds(SECONDS, self.seconds)
+        return named_seconds(SECONDS, self.seconds)
 
     def history_dict(self) -> dict[str, list[int]]:
         """Per-batch counters of the last `history` batches, oldest first (a host sync on CUDA). Window
@@ -1272,12 +1230,13 @@ class EmbeddingCache:
         else:
             deltas, batches = cumulative[1:] - cumulative[:-1], list(range(first + 1, self.history_batches))
         out = {"batch": batches}
-        out.update(_window_rows_as_misses({name: deltas[:, i] for i, name in enumerate(STAT_NAMES)}))
+        out.update(window_rows_as_misses({name: deltas[:, i] for i, name in enumerate(STAT_NAMES)}))
         return {k: v if k == "batch" else v.tolist() for k, v in out.items()}
 
     def reset_stats(self) -> None:
         # a window planned in the background before the reset counts before it, as one planned inline would
         self.settle()
+        self._window_admits = []  # a window under way: its rows' hits may predate the reset, so no misses either
         self.stats.zero_()
         self.history.zero_()
         self.history_batches = 0

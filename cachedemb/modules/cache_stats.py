@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 
-from cachedemb.cache.embedding_cache import hit_rate
+from cachedemb.cache.counters import hit_rate
 from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.modules.errors import CacheTooSmallWarning
 

@@ -723,7 +723,7 @@ class CachedEmbeddingBag(nn.Module):
           victims), `index_rebuild`, `count_halving` (`freq_halflife`), `flush` (write-backs), and under
           `prefetch` the pipeline's: `read`, `wait`, `window_admission` (including its `next_use_refresh`),
           `window_protect`, `row_moves_wait`, and `read_ahead` (on its thread: `unique`, `next_use`,
-          `window_plan`, `next_use_query`, `forward_unique`). cachedemb.cache.embedding_cache.SECONDS maps
+          `window_plan`, `next_use_query`, `forward_unique`). cachedemb.cache.counters.SECONDS maps
           them to the internal timers.
         """
         if not getattr(self, "_warned_small_cache", False) and not counts_on_host(self.cache.device):
