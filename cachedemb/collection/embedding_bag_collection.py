@@ -55,6 +55,8 @@ _MIN_TABLE_HOST_BYTES = 4 << 10  # a table on file gets at least this much of th
 class _GroupBag(CachedEmbeddingBag):
     """A group's CachedEmbeddingBag; its state is saved and loaded per table by the collection's table views."""
 
+    _warn_as = "CachedEmbeddingBagCollection (a group of tables of one dim)"  # CacheTooSmallWarning's subject
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         return None
 
