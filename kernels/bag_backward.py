@@ -8,8 +8,7 @@ row j's sum by grad_scale_u[j]; entries past the unique count are never read.
 """
 
 import torch
-import triton
-import triton.language as tl
+from .lazy_triton import tl, triton
 
 from .dispatch import backend_for, gpu_shapes, on_device, persistent_programs
 from .host_sort import stable_sort

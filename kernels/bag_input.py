@@ -10,8 +10,7 @@ excluded) and the offsets changed. Program 0 repairs the offsets (one sequential
 """
 
 import torch
-import triton
-import triton.language as tl
+from .lazy_triton import tl, triton
 
 from .dispatch import backend_for, gpu_shapes, on_device
 

@@ -25,8 +25,7 @@ on CUDA, so the cache passes it only where counts are free; the results are the 
 """
 
 import torch
-import triton
-import triton.language as tl
+from .lazy_triton import tl, triton
 
 from .dispatch import backend_for, gpu_shapes, on_device
 from .gather import take

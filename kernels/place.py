@@ -23,8 +23,7 @@ reference's (compare-and-swap claims in GPU order), every other output is the sa
 """
 
 import torch
-import triton
-import triton.language as tl
+from .lazy_triton import tl, triton
 
 from .dispatch import backend_for, gpu_shapes, on_device
 from .gather import take

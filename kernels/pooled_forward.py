@@ -12,8 +12,7 @@ ties, as torch), -1 for a bag with no non-padding lookup, whose output is 0.
 import struct
 
 import torch
-import triton
-import triton.language as tl
+from .lazy_triton import tl, triton
 
 from .dispatch import backend_for, gpu_shapes, on_device, soft_rtne
 

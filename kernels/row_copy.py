@@ -13,8 +13,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+from .lazy_triton import tl, triton
 
 from . import host_rows
 from .gather import put_rows

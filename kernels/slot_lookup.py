@@ -5,8 +5,7 @@ The index is two [C] tensors: `keys` (resident ids ascending, empty slots as INT
 """
 
 import torch
-import triton
-import triton.language as tl
+from .lazy_triton import tl, triton
 
 from .dispatch import backend_for, gpu_shapes, on_device
 

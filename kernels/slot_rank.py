@@ -32,8 +32,7 @@ differ, the victims do not).
 """
 
 import torch
-import triton
-import triton.language as tl
+from .lazy_triton import tl, triton
 
 from .dispatch import backend_for, gpu_shapes, on_device, persistent_programs
 from .slot_score import score_of_slots

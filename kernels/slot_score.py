@@ -11,8 +11,7 @@ The scores equal the policy functions' bit for bit (tests/kernels/test_slot_scor
 that `lookahead` reads: a binary search of each slot's id in the tables' first ids, as `torch.searchsorted`.
 """
 import torch
-import triton
-import triton.language as tl
+from .lazy_triton import tl, triton
 
 from .dispatch import gate_bytes, gpu_shapes, on_device, persistent_programs
 

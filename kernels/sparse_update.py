@@ -15,8 +15,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+from .lazy_triton import tl, triton
 
 from .bag_backward import (
     SCALE_BAG,

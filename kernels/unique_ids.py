@@ -9,8 +9,7 @@ derive it from the sort they did here, so the backward need not sort again.
 """
 
 import torch
-import triton
-import triton.language as tl
+from .lazy_triton import tl, triton
 
 from .dispatch import backend_for, gpu_shapes, on_device
 from .host_sort import stable_sort, unique_of_sort

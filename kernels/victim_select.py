@@ -6,8 +6,7 @@ A protected slot carries INT64_MAX; callers take only as many victims as there a
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
+from .lazy_triton import tl, triton
 
 from .dispatch import backend_for, gate_bytes, gpu_shapes, on_device, persistent_programs
 

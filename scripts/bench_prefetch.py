@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 import cachedemb
+from cachedemb.modules.cache_stats import flat_seconds
 from cachedemb.sizing.simulators import simulate_opt
 from cachedemb.tools.traces import zipf_trace
 
@@ -63,11 +64,13 @@ def summary(emb, wall: list[float], thread: list[float]) -> dict:
         "step_ms_median": round(1000 * statistics.median(wall), 2),
         "thread_cpu_ms": round(1000 * sum(thread) / steps, 2),
         "rows_moved": stats["rows_in"], "unique_lookups": stats["unique"],
-        "hit_rate": round(1 - stats["rows_in"] / max(1, stats["unique"]), 4),
-        "forward_hit_rate": round(stats["hits"] / max(1, stats["unique"]), 4),
+        "hit_rate": round(stats["hit_rate"], 4) if stats["unique"] else 0.0,
+        # the forwards' own view: rows a window moved in ahead count as found
+        "forward_hit_rate": round((stats["hits"] + stats["window_misses"]) / max(1, stats["unique"]), 4),
         "windows": stats["windows"],
         # host-thread milliseconds per batch of every cache and pipeline stage (the read-ahead thread's included)
-        "stage_ms_per_batch": {k: round(1000 * v / steps, 3) for k, v in stats["seconds"].items() if v},
+        "stage_ms_per_batch": {k: round(1000 * v / steps, 3) for k, v in flat_seconds(stats["seconds"]).items()
+                               if v},
     }
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import cachedemb
+from cachedemb.modules.cache_stats import flat_seconds
 from cachedemb.tools.traces import zipf_trace
 
 
@@ -92,7 +93,7 @@ def main():
     if "cached" in steps:
         st = emb.cache_stats()
         out.update(hit_rate=st["hits"] / max(1, st["unique"]), host_rows=st["host_rows"],
-                   seconds={k: round(v, 3) for k, v in st["seconds"].items()})
+                   seconds={k: round(v, 3) for k, v in flat_seconds(st["seconds"]).items()})
     print(json.dumps(out))
 
 

@@ -35,8 +35,8 @@ def test_pairs_every_configuration_and_the_tables_agree(tmp_path, capsys):
         assert r["paired_ratio_median"] > 0
         # the same batches: the same distinct ids looked up by both
         assert r["none"]["unique_lookups"] == r["prefetch"]["unique_lookups"] > 0
-        assert "prepare" in r["none"]["stage_ms_per_batch"]
-        assert any(k.startswith("prefetch_") for k in r["prefetch"]["stage_ms_per_batch"])
+        assert "lookup" in r["none"]["stage_ms_per_batch"]
+        assert any(k.startswith("prefetch.") for k in r["prefetch"]["stage_ms_per_batch"])
         assert sum(r["prefetch"]["window_batches"].values()) >= 1
         # rows moved over Belady-OPT (per batch, or over the pipeline's windows): no policy moves fewer
         opt = r["rows_moved_over_opt"]

@@ -105,7 +105,7 @@ def place_batch(cache, uniq, n_uniq, policy: Policy, bufs: BatchBuffers, sizes, 
                               cache.protected, cache.hit_mark, tables, pool.device_slots, pool.state,
                               pool.device_score, sortbuf, counters, bufs.rank_aux, size, stale)
     cache.seconds["victim_rank"] += time.perf_counter() - rank_start  # the pool check and the gated ranking
-    pool.observe(n_miss)
+    pool.observe(counters[place.N_HIT:place.N_MISS + 1])  # (hits too: the module's too-small-cache warning)
     kernels.place_commit(cache.index_keys, uniq, counts, n_uniq, bufs.loc_u, bufs.bmiss, order, pool.device_slots,
                          counters, cache.slot_ids, cache.slot_freq, cache.slot_last_use, cache.dirty, cache.hit_mark,
                          cache.host_freq, bufs.move(), cache.stats, stat_index, cache.index_used, cache.batch_counter,

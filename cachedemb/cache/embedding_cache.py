@@ -35,11 +35,13 @@ from cachedemb.cache.policy import Policy, SlotView, resolve, score_kernel
 from cachedemb.cache import device_place, place_native, pool_native, staging
 from cachedemb.cache.sync_mode import counts_on_host
 from cachedemb.cache.victim_pool import VictimPool
+from cachedemb.cache.counters import SECONDS, hit_rate, named_seconds, window_rows_as_misses
+from cachedemb.cache.window_misses import WindowMisses
 
 PREFETCH_STAGES = ("prefetch_read", "prefetch_wait", "prefetch_unique", "prefetch_next_use", "prefetch_window_plan",
                    "prefetch_forward_unique", "prefetch_next_use_query")
 STAT_NAMES = ("lookups", "unique", "hits", "misses", "evictions", "rows_in", "rows_out", "windows",
-              "window_rows_in", "host_rows", "invalid_ids", "invalid_offsets")
+              "window_rows_in", "host_rows", "invalid_ids", "invalid_offsets", "window_misses")
 _STAT = {name: i for i, name in enumerate(STAT_NAMES)}
 
 
@@ -240,6 +242,8 @@ class EmbeddingCache:
         self._live_index = "hash"
         self._index_limit = (id_index.index_size(self.capacity) * 5) // 8
         self.victim_pool = VictimPool(self.capacity, dev)
+        self.window_misses: WindowMisses | None = None  # while a prefetch loop runs (cache/window_misses.py)
+        self._window_admits: list = []  # (window slots, [1] rows it admitted), under the CUDA rules
 
     def _set_rows(self, data: torch.Tensor, spare: int = 0) -> None:
         """The cache rows; on CPU they are the first C rows of `rows_spare`, a buffer with room for `spare` more:
@@ -297,6 +301,7 @@ class EmbeddingCache:
                    self.protected, self.hit_mark, self.index_keys, self.index_slots, self.index_used, self.stats,
                    self.history]
         tensors += list(self.states.values())
+        tensors += [self.window_misses.marks] if self.window_misses is not None else []
         tensors += [t for t in (self.table_starts, self.table_ranks) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -392,12 +397,15 @@ class EmbeddingCache:
         # Per-unique buffers: exactly n long on CPU (free to know there), the fixed capacity B on CUDA.
         cap = self._on_host(n_uniq, n_lookups)
         uniq, counts = uniq[:cap], counts[:cap]
-        if ahead and ahead[1] is not None:  # every id in a window's slots: all hits, nothing to place
+        if ahead and ahead[1] is not None:  # every id in a window's slots: nothing to place
             loc_u, live = ahead[1], torch.ones(cap, dtype=torch.bool, device=self.device)
-            n_hit, n_miss = n_uniq, torch.zeros_like(n_uniq)
+            n_hit = (loc_u >= 0).sum().reshape(1)  # (a window that did not fit serves the rest from the host)
+            n_miss = n_uniq - n_hit
+            self._count_window_misses(loc_u)
         else:
             self.settle()  # misses may read host rows that a window transfer in flight writes back
-            loc_u, live, n_hit, n_miss, _ = self._place(uniq, n_uniq, self.policy)
+            loc_u, live, n_hit, n_miss, move = self._place(uniq, n_uniq, self.policy)
+            self._count_window_misses(loc_u, move)
             if in_window and train and self.window_misses_mean_other_ids:
                 self.unread_ahead += n_miss.reshape(1)
         c = place_native.NATIVE.get()
@@ -433,9 +441,11 @@ class EmbeddingCache:
         loc_u, _, n_miss, move = device_place.place_batch(self, uniq, n_uniq, self.policy, bufs, sizes,
                                                           counts=counts, train=train, count_lookups=True, admit=admit)
         if admit:
-            self._move_rows(RowMove(*move), add=bufs.add if train else None)
+            move = RowMove(*move)
+            self._move_rows(move, add=bufs.add if train else None)
         elif train and self.window_misses_mean_other_ids:  # every id of the window was read ahead: a miss means
             self.unread_ahead.add_(n_miss)                    # the forward's ids differ
+        self._count_window_misses(loc_u, move if admit else None)
         plan = BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation, groups, bufs.bag)
         return self._finish_prepare(plan, train, start)
 
@@ -449,6 +459,25 @@ class EmbeddingCache:
         self.history_batches += 1
         self.seconds["prepare"] += time.perf_counter() - start
         return plan
+
+    def _count_window_misses(self, loc_u: torch.Tensor, move: RowMove | None = None) -> None:
+        """While a prefetch loop runs: the batch's rows a window admitted, first looked up now, count as its
+        misses (`move`: the batch's own admissions, whose slots lose a window's stale mark first)."""
+        if self.window_misses is None:
+            return
+        if move is not None and move.miss_dest is not None:
+            self.window_misses.admitted(move.miss_dest, move.n_miss, by_window=False)
+        i = _STAT["window_misses"]
+        self.window_misses.count(loc_u, self.stats[i:i + 1])
+
+    def _end_windows(self, keep=None) -> None:
+        """Under the CUDA rules the rows a window admitted count as misses when it ends (its batches have run):
+        one add per window instead of per-slot marks read by every batch (cache/window_misses.py, where counts
+        are on the host), so totals are exact between windows and per-batch history lags up to a window."""
+        ended = [n for loc, n in self._window_admits if loc is not keep]
+        self._window_admits = [(loc, n) for loc, n in self._window_admits if loc is keep]
+        for n in ended:
+            self.bump_stats(window_misses=n)
 
     def _wait_for_window_rows(self) -> bool:
         """A forward the prefetch pipeline did not announce, while a window transfer runs on a side stream: its
@@ -470,6 +499,7 @@ class EmbeddingCache:
         `next_use` (the next known use of each slot's id, see `SlotNextUse`) feeds the policy; `now` is the
         batch number the window starts at.
         """
+        self._end_windows()
         self._drop_protection()
         plan = self.plan_window(uniq, policy, next_use, now)
         self.transfer_window(plan)
@@ -499,6 +529,12 @@ class EmbeddingCache:
         loc_u, _, _, n_miss, move = self._place(uniq, n_uniq, policy, transfer=False, window=True,
                                                 counter=self.batch_counter if counter is None else counter)
         self.bump_stats(windows=torch.ones(1, dtype=torch.int64, device=self.device), window_rows_in=n_miss)
+        if move is not None and counts_on_host(self.device):
+            if self.window_misses is None:
+                self.window_misses = WindowMisses(self.capacity, self.device)
+            self.window_misses.admitted(move.miss_dest, move.n_miss, by_window=True)
+        elif move is not None:  # under the CUDA rules, counted when the window ends (a launch per window)
+            self._window_admits.append((loc_u, move.n_admit))
         self._protect(loc_u)
         self._windows.append(loc_u)
         self.seconds["admit_window"] += time.perf_counter() - start
@@ -582,6 +618,7 @@ class EmbeddingCache:
             if self._pending is plan.done:
                 self._pending = None
         others = [loc for loc in self._windows if loc is not plan.loc_u]
+        self._end_windows(keep=plan.loc_u)
         if others:
             if counts_on_host(self.device):
                 # O(windows), not O(cache): the other windows' slots join the pool, every window's protection
@@ -696,7 +733,9 @@ class EmbeddingCache:
     def release_window(self) -> None:
         """Drop window protection (the pipeline ended); rows still in flight are waited for in stream order."""
         self.settle()
+        self._end_windows()
         self._drop_protection()
+        self.window_misses = None  # rows admitted for batches that never ran count as neither hits nor misses
 
     @property
     def cache_rows(self) -> int:
@@ -1175,16 +1214,24 @@ class EmbeddingCache:
         return self.dim * self.host_weight.element_size() + sum(
             t.shape[1] * t.element_size() for t in self.host_states.values())
 
-    def stats_dict(self) -> dict[str, int]:
-        """The counters as host ints (a host sync on CUDA)."""
-        values = dict(zip(STAT_NAMES, self.stats.tolist()))
+    def stats_dict(self) -> dict[str, int | float]:
+        """The counters as host ints (a host sync on CUDA), rows a window admitted counted as misses, and
+        `hit_rate` (CachedEmbeddingBag.cache_stats says what each one counts)."""
+        values = window_rows_as_misses(dict(zip(STAT_NAMES, self.stats.tolist())))
+        values["hit_rate"] = hit_rate(values["hits"], values["unique"])
         values["bytes_in"] = values["rows_in"] * (self.row_bytes() + 8)
         values["bytes_out"] = values["rows_out"] * self.row_bytes()
         return values
 
-    def timing_dict(self) -> dict[str, float]:
-        """Host seconds spent in cache operations (on CUDA: issuing them; they run asynchronously)."""
-        return dict(self.seconds)
+    def distinct_peak(self) -> int:
+        """The most distinct ids one batch placed under the CUDA rules looked up, among the counts that already
+        reached the host without a sync (cache/miss_estimate.py); 0 before any."""
+        return self.victim_pool.misses.distinct_peak
+
+    def timing_dict(self) -> dict:
+        """Host seconds spent in cache operations (on CUDA: issuing them; they run asynchronously), under the
+        readable names of SECONDS (nested: the prefetch pipeline's stages under "prefetch")."""
+        return named_seconds(SECONDS, self.seconds)
 
     def history_dict(self) -> dict[str, list[int]]:
         """Per-batch counters of the last `history` batches, oldest first (a host sync on CUDA). Window
@@ -1202,12 +1249,13 @@ class EmbeddingCache:
         else:
             deltas, batches = cumulative[1:] - cumulative[:-1], list(range(first + 1, self.history_batches))
         out = {"batch": batches}
-        out.update({name: deltas[:, i].tolist() for i, name in enumerate(STAT_NAMES)})
-        return out
+        out.update(window_rows_as_misses({name: deltas[:, i] for i, name in enumerate(STAT_NAMES)}))
+        return {k: v if k == "batch" else v.tolist() for k, v in out.items()}
 
     def reset_stats(self) -> None:
         # a window planned in the background before the reset counts before it, as one planned inline would
         self.settle()
+        self._window_admits = []  # a window under way: its rows' hits may predate the reset, so no misses either
         self.stats.zero_()
         self.history.zero_()
         self.history_batches = 0

@@ -5,7 +5,8 @@ batch's lookups. The victim pool needs only about as many victims as a batch mis
 its lookups. Each batch's miss count is copied to pinned host memory without blocking and read once its event
 says it landed (on CPU, standing in for that, `lag` batches later). The estimate (the largest recent count) only
 sizes work whose sufficiency is checked on the device: an estimate too small costs a gated fallback that runs
-there, never a wrong result.
+there, never a wrong result. A batch pushed as [hits, misses] also tells its distinct ids (`distinct_peak`, for
+the module's too-small-cache warning), in the same copy.
 """
 from __future__ import annotations
 
@@ -22,13 +23,16 @@ class MissEstimate:
     def __init__(self, device: torch.device, lag: int = 2, window: int = 64, buffers: int = 16):
         self.device, self.lag = exact_device(device), int(lag)
         cuda = self.device.type == "cuda"
-        self._free = [torch.zeros(1, dtype=torch.int64, pin_memory=cuda) for _ in range(buffers)]
-        self._pending: collections.deque = collections.deque()  # (host buffer, event or None, push number)
+        self._free = [torch.zeros(2, dtype=torch.int64, pin_memory=cuda) for _ in range(buffers)]
+        # (host buffer, event or None, push number, values pushed)
+        self._pending: collections.deque = collections.deque()
         self._recent: collections.deque = collections.deque(maxlen=window)
         self._pushes = 0
+        self.distinct_peak = 0  # the most distinct ids (hits + misses) of a batch pushed with its hits, landed
 
     def push(self, count: torch.Tensor) -> None:
-        """Start copying this batch's count ([1] int64 on the cache device) to the host; never waits."""
+        """Start copying this batch's count ([1] int64 misses, or [2] hits and misses, on the cache device) to
+        the host; never waits."""
         if self._capturing():
             return  # a captured step replays without the host: nothing to read back
         cuda = self.device.type == "cuda"
@@ -36,12 +40,13 @@ class MissEstimate:
         if not self._free:
             return  # every buffer still in flight: skip this sample
         host = self._free.pop()
-        host.copy_(count.reshape(1), non_blocking=cuda)
+        n = count.numel()
+        host[:n].copy_(count.reshape(n), non_blocking=cuda)
         event = None
         if cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-        self._pending.append((host, event, self._pushes))
+        self._pending.append((host, event, self._pushes, n))
         self._pushes += 1
 
     def _capturing(self) -> bool:
@@ -53,12 +58,15 @@ class MissEstimate:
         if self._capturing():
             return
         while self._pending:
-            host, event, number = self._pending[0]
+            host, event, number, n = self._pending[0]
             landed = event.query() if event is not None else self._pushes - number > self.lag
             if not landed:
                 return
             self._pending.popleft()
-            self._recent.append(host.tolist()[0])  # a host buffer: no device op
+            values = host.tolist()[:n]  # a host buffer: no device op
+            self._recent.append(values[-1])
+            if n == 2:
+                self.distinct_peak = max(self.distinct_peak, values[0] + values[1])
             self._free.append(host)
 
     def value(self) -> int | None:

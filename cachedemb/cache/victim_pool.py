@@ -151,7 +151,8 @@ class VictimPool:
         return min(self.capacity, k + n_hit + min(self.batches, HOST_POOL_BATCHES) * k)
 
     def observe(self, n_miss: torch.Tensor) -> None:
-        """This batch's miss count ([1], on the device), for sizing the pool without a host read."""
+        """This batch's miss count ([1], or [2]: its hits and misses, on the device), for sizing the pool without
+        a host read."""
         self.misses.push(n_miss)
 
     def sync_free_sizes(self, k: int) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from cachedemb.cache.embedding_cache import pinned_empty
 from cachedemb.collection.capture import NotScriptableError, fx_lookup, fx_lookup_live
 from cachedemb.collection.inputs import CollectionInputs, is_torchrec, torchrec_type
 from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag, DynamicIds
+from cachedemb.modules.cache_stats import sum_stats
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.modules.errors import InvalidWeightDtypeError, InvalidWeightShapeError
 from cachedemb.modules.meta_init import default_device, probe_apply
@@ -53,6 +54,8 @@ _MIN_TABLE_HOST_BYTES = 4 << 10  # a table on file gets at least this much of th
 
 class _GroupBag(CachedEmbeddingBag):
     """A group's CachedEmbeddingBag; its state is saved and loaded per table by the collection's table views."""
+
+    _warn_as = "CachedEmbeddingBagCollection (a group of tables of one dim)"  # CacheTooSmallWarning's subject
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         return None
@@ -633,17 +636,9 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
 
     # ----------------------------------------------------------------- cache and tables
     def cache_stats(self) -> dict:
-        """Cache counters (and `seconds` of cache operations) summed over the groups (a host sync on CUDA)."""
-        total: dict = {"seconds": {}}
-        for bag in self.bags:
-            for k, v in bag.cache_stats().items():
-                if isinstance(v, dict):  # seconds; host_cache and file of tables on file
-                    part = total.setdefault(k, {})
-                    for op, x in v.items():
-                        part[op] = part.get(op, 0) + x
-                else:
-                    total[k] = total.get(k, 0) + v
-        return total
+        """CachedEmbeddingBag.cache_stats summed over the groups (nested `seconds`, and `host_cache` / `file` of
+        tables on file, too), `hit_rate` from the sums; a host sync on CUDA."""
+        return sum_stats([bag.cache_stats() for bag in self.bags])
 
     def reset_cache_stats(self) -> None:
         for bag in self.bags:

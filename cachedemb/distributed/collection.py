@@ -25,6 +25,7 @@ from cachedemb.distributed.bag import ShardedEmbeddingBag
 from cachedemb.distributed.dynamic import ShardedDynamicEmbeddingBag
 from cachedemb.dynamic.embedding_bag import DynamicEmbeddingBag
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
+from cachedemb.modules.cache_stats import sum_stats
 
 
 def _table_module(collection: CachedEmbeddingBagCollection, index: int) -> CachedEmbeddingBag:
@@ -78,17 +79,6 @@ def _dynamic_table_module(collection: CachedEmbeddingBagCollection, index: int) 
     module.load_state_dict(state)
     module.train(collection.training)
     return module
-
-
-def _add_stats(total: dict, stats: dict) -> None:
-    """Counters summed key by key (a table on file adds its `host_cache` and `file` counters, nested)."""
-    for k, v in stats.items():
-        if k == "seconds":
-            continue
-        if isinstance(v, dict):
-            _add_stats(total.setdefault(k, {}), v)
-        else:
-            total[k] = total.get(k, 0) + v
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -191,12 +181,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return [bag.shard for bag in self.embedding_bags.values() if bag.shard is not None]
 
     def cache_stats(self) -> dict:
-        """This rank's cache counters summed over the shards it keeps (reduce across ranks for the job's)."""
-        total: dict = {}
-        for bag in self.embedding_bags.values():
-            if bag.shard is not None:
-                _add_stats(total, bag.shard.cache_stats())
-        return total
+        """This rank's cache counters (CachedEmbeddingBag.cache_stats, nested `seconds` too) summed over the shards
+        it keeps, `hit_rate` from the sums (reduce the counters across ranks for the job's)."""
+        return sum_stats([bag.shard.cache_stats() for bag in self.embedding_bags.values() if bag.shard is not None])
 
     def reset_cache_stats(self) -> None:
         for bag in self.embedding_bags.values():

@@ -12,6 +12,7 @@ from cachedemb.cache.exact_device import exact_device
 from cachedemb import kernels
 from cachedemb.cache.embedding_cache import BatchPlan, EmbeddingCache, pinned_empty, state_dtype
 from cachedemb.modules.batch_input import batch_input
+from cachedemb.modules.cache_stats import warn_if_too_small
 from cachedemb.modules.factory import build_dynamic, build_storage
 from cachedemb.modules.errors import (
     InvalidPaddingIdxError,
@@ -24,6 +25,7 @@ from cachedemb.modules.input_check import BagInput, integer_arg, normalize_bag_i
 from cachedemb.modules.meta_init import MetaTable, TableInit, default_device, init_rows, probe_apply
 from cachedemb.optim import SparseOptimizer
 from cachedemb.cache.policy import Policy
+from cachedemb.cache.sync_mode import counts_on_host
 
 _STEP_KEY = "optimizer.step"
 _TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -394,6 +396,8 @@ class CachedEmbeddingBag(nn.Module):
         if bags.invalid_ids is not None:
             cache.bump_stats(invalid_ids=bags.invalid_ids, invalid_offsets=bags.invalid_offsets)
         plan = cache.prepare(bags.ids, bags.pad_id, train=(train and self.training) or self.count_in_eval)
+        if not getattr(self, "_warned_small_cache", False):
+            warn_if_too_small(self, plan)
         if weight_grad or watched:
             cache.refresh(plan)
         if self.max_norm is not None:
@@ -691,12 +695,38 @@ class CachedEmbeddingBag(nn.Module):
                                                padding_idx=self.padding_idx)
 
     def cache_stats(self) -> dict:
-        """Counters since the last reset (a host sync on CUDA): lookups, unique (per-batch distinct ids),
-        hits + misses (= unique), evictions, rows_in (rows moved host->device, window admissions included),
-        host_rows (misses served from the host table in place: no free slot), rows_out (dirty rows written back),
-        windows and window_rows_in (prefetch windows), bytes_in/out, invalid_ids / invalid_offsets (unvalidated
-        inputs repaired on the device), `device_bytes` (what the cache holds on its device) and `seconds` (host
-        time in cache operations)."""
+        """Counters since the last reset (`reset_cache_stats`); a host sync on CUDA.
+
+        Per batch, each distinct id looked up is a hit or a miss:
+
+        - `lookups`: ids looked up (padding excluded); `unique`: distinct ids per batch, summed over batches.
+        - `hits`: distinct ids whose row was in the device cache before the batch; `misses`: the others, so
+          hits + misses = unique. A row a prefetch window moved in ahead counts as a miss of the first batch
+          that looks it up (the same rows come from the host with prefetch or without, so a trace whose rows
+          prefetch moves as the cache alone would gives the same hit_rate either way). Under the CUDA rules
+          (a CUDA cache, or CACHEDEMB_SYNC_FREE=1) they are counted when their window ends: the same totals
+          at every window boundary, and `cache_history()` gives them to the batch after the window.
+        - `hit_rate`: hits / unique (nan before any lookup).
+        - `window_misses`: the misses of that kind (rows a window moved in before the batch needed them).
+        - `rows_in`: rows copied host -> device (batch misses admitted and window admissions); `host_rows`:
+          misses served from the host table in place (no free slot: a batch larger than the cache, or a
+          cache held by a prefetch window), not copied in; `rows_out`: dirty rows written back to the host;
+          `evictions`: resident rows replaced. `bytes_in` / `bytes_out`: those rows' bytes (rows in carry
+          their 8-byte access count too).
+        - `windows`, `window_rows_in`: prefetch windows admitted and the rows they needed from the host.
+        - `invalid_ids`, `invalid_offsets`: unvalidated inputs repaired on the device
+          (`validate_inputs=False`).
+        - `device_bytes`: what the cache holds on its device.
+        - `seconds`: host seconds in cache operations (on CUDA: issuing them), by stage: `lookup` (a forward's
+          cache work, including its `eviction`, `index_rebuild` and `count_halving`), `eviction` (ranking
+          victims), `index_rebuild`, `count_halving` (`freq_halflife`), `flush` (write-backs), and under
+          `prefetch` the pipeline's: `read`, `wait`, `window_admission` (including its `next_use_refresh`),
+          `window_protect`, `row_moves_wait`, and `read_ahead` (on its thread: `unique`, `next_use`,
+          `window_plan`, `next_use_query`, `forward_unique`). cachedemb.cache.counters.SECONDS maps
+          them to the internal timers.
+        """
+        if not getattr(self, "_warned_small_cache", False) and not counts_on_host(self.cache.device):
+            warn_if_too_small(self, None, stacklevel=3)
         stats = self.cache.stats_dict()
         stats["device_bytes"] = self.cache.device_bytes()
         stats["seconds"] = self.cache.timing_dict()

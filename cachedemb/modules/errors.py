@@ -52,3 +52,8 @@ class StaleTableWriteError(RuntimeError):
 
 class NotScriptableError(RuntimeError):
     """torch.jit.script / torch.jit.trace of a cached module: its cache is Python-side state."""
+
+
+class CacheTooSmallWarning(UserWarning):
+    """A batch looked up more distinct ids than the device cache has rows: the rest were served from the host
+    table (exact, but every such lookup reads host memory)."""

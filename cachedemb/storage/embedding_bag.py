@@ -43,6 +43,7 @@ from torch import nn
 
 from cachedemb.cache.ahead import AheadBatch, accepts_ahead
 from cachedemb.modules.batch_input import batch_input
+from cachedemb.modules.cache_stats import rate_of
 from cachedemb.modules.embedding_bag import CachedEmbeddingBag
 from cachedemb.modules.errors import InvalidIdError, InvalidInputTypeError, NotATensorError
 from cachedemb.modules.factory import register_storage
@@ -50,6 +51,7 @@ from cachedemb.modules.input_check import integer_arg, size_arg
 from cachedemb.modules.meta_init import TableInit, iter_init_range
 from cachedemb.kernels import id_index
 from cachedemb.optim import SparseOptimizer
+from cachedemb.sizing.plan import parse_bytes
 from cachedemb.storage.format import (TableHeader, TableIOError, TableMismatchError, UncommittedRowsLostWarning,
                                       dtype_name)
 from cachedemb.storage.host_cache import BatchDistinct, HostRowCache, distinct, slab_rows
@@ -63,7 +65,8 @@ _TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 @dataclass(frozen=True)
 class FileStorage:
     """Keep the table (rows, optimizer state, access counts) in the file `path` on local disk, with at most
-    `host_cache_bytes` of it cached in host memory (pinned where CUDA exists).
+    `host_cache_bytes` of it cached in host memory (pinned where CUDA exists): an int, or a string such as
+    "64GiB" or "512MB" (binary and decimal units, as `cachedemb.sizing.parse_bytes` reads them).
 
     recover: open a file whose last writer died at its last committed snapshot (else that raises
     TableWriterDiedError). rows_per_block: rows per copy-on-write chunk (default ~256 KiB of records).
@@ -81,7 +84,7 @@ class FileStorage:
     file's growth beyond the table and its snapshots)."""
 
     path: str | os.PathLike
-    host_cache_bytes: int
+    host_cache_bytes: int | str
     recover: bool = False
     rows_per_block: int | None = None
     io_threads: int = 4
@@ -91,10 +94,16 @@ class FileStorage:
     log_slack: float = 0.5
 
     def __post_init__(self):
-        if isinstance(self.host_cache_bytes, bool) or not isinstance(self.host_cache_bytes, int) or \
-                self.host_cache_bytes <= 0:
-            raise ValueError(f"FileStorage.host_cache_bytes must be a positive int (bytes), got "
-                             f"{self.host_cache_bytes!r}")
+        size = given = self.host_cache_bytes
+        if isinstance(size, str):
+            try:
+                size = parse_bytes(size)
+            except ValueError as e:
+                raise ValueError(f"FileStorage.host_cache_bytes: {e}") from None
+            object.__setattr__(self, "host_cache_bytes", size)  # frozen: the bytes from here on
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"FileStorage.host_cache_bytes must be a positive number of bytes (an int, or a "
+                             f"string such as '64GiB'), got {given!r}")
         rpb = self.rows_per_block
         if rpb is not None and (isinstance(rpb, bool) or not isinstance(rpb, int) or rpb < 1):
             raise ValueError(f"FileStorage.rows_per_block must be None or a positive int, got {rpb!r}")
@@ -222,6 +231,7 @@ class FileBackedEmbeddingBag(nn.Module):
                                    **cache_kwargs)
         del slab
         inner._private_table = True  # the slab is never handed out; reader threads write its rows meanwhile
+        inner._ratio_rows, inner._warn_as = num_embeddings, type(self).__name__  # cache_ratio is of the table's rows
         object.__setattr__(self, "inner", inner)  # not a child: the state is the file's
         inner.optimizer_step = int(self.table.snapshots[self.table.newest_seq][0].meta.get("optimizer_step", 0))
         self.host = HostRowCache(self.table, inner, rows, first=1)
@@ -595,13 +605,15 @@ class FileBackedEmbeddingBag(nn.Module):
         return self
 
     def cache_stats(self) -> dict:
-        """The device cache's counters (CachedEmbeddingBag.cache_stats) plus `host_cache` (hits, misses,
-        evicted, written_back, staging_rows, host_bytes) and `file` (rows/bytes read and written, syscalls,
-        blocks copied on write, commits, file_bytes)."""
+        """The device cache's counters (CachedEmbeddingBag.cache_stats) plus `host_cache` (hits and misses of
+        table ids in the host cache, hit_rate = hits / (hits + misses), evicted, written_back, staging_rows,
+        rows, host_bytes) and `file` (rows/bytes read and written, syscalls, blocks copied on write, commits,
+        file_bytes)."""
         self.host.settle()
         stats = self.inner.cache_stats()
         stats["host_cache"] = dict(self.host.stats, rows=self.host.base - self.host.first,
                                    host_bytes=self.host.host_bytes())
+        stats["host_cache"]["hit_rate"] = rate_of(stats["host_cache"])
         stats["file"] = dict(self.table.stats, file_bytes=self.table.file_bytes(), log=self.table.log is not None,
                              row_map_bytes=self.table.index_bytes(),
                              **(self.table.log.stats if self.table.log is not None else {}))

@@ -372,9 +372,28 @@ class TableFile:
         """Host memory the file's own index takes: the row map in log mode (chunk maps are negligible)."""
         return self.log.loc.nbytes if self.log is not None else 0
 
-    def describe_snapshot(self, seq: int) -> dict:
+    def describe_snapshot(self, seq: int | None = None) -> dict:
+        """A retained snapshot's metadata (`optimizer_step`, `time`, `row_map` of a log...) with its `seq` and
+        the file's `path`.
+
+        Args:
+            seq: which snapshot: None (default) the newest committed one; else one of the two the file retains
+                (`sorted(table.snapshots)`), e.g. the `storage.snapshot` of a checkpoint's descriptor.
+        """
+        if seq is None:
+            seq = self.newest_seq
+        if seq not in self.snapshots:
+            raise KeyError(f"table file {str(self.path)!r} retains snapshots {sorted(self.snapshots)}, not {seq!r} "
+                           "(a file keeps its last two commits)")
         sb = self.snapshots[seq][0]
         return dict(sb.meta, seq=seq, path=str(self.path))
+
+    def __repr__(self) -> str:
+        h = self.header
+        state = "closed" if self.closed else "open for writing" if self.writable else "open read-only"
+        return (f"<TableFile {str(self.path)!r}: {h.num_rows} rows x {h.dim} {h.dtype}, optimizer "
+                f"{_optimizer_words(h)}, {'log' if self.is_log_file() else 'in place'}, snapshots "
+                f"{sorted(self.snapshots)} (newest {self.newest_seq}), {state}>")
 
     def _rebuild_free(self) -> None:
         """Blocks in use: the retained snapshots' records and maps, and the live table's (no I/O in flight)."""
@@ -777,8 +796,16 @@ class TableFile:
 
 
 def open_table(path, recover: bool = False, io_threads: int = 4) -> TableFile:
-    """Open a table file read-only at its newest snapshot (for export or inspection: `iter_rows`,
-    `describe_snapshot`). A file whose writer died raises TableWriterDiedError unless `recover`."""
+    """Open a table file read-only at its newest snapshot, for export or inspection: its rows with
+    `iter_table_rows(table)`, a snapshot's metadata with `table.describe_snapshot()`, shape and optimizer in
+    `table.header` (and its repr). Nothing is written; `table.close()` releases it.
+
+    Args:
+        path: the `.cemb` file (a `FileStorage` path, or a rank's `<stem>.rank<r>of<w>.cemb`).
+        recover: open a file whose last writer died (not closed, lock free) at its last committed snapshot;
+            without it such a file raises TableWriterDiedError naming the writer and that snapshot.
+        io_threads: reader threads for `iter_table_rows`.
+    """
     return TableFile.open(path, writable=False, recover=recover, io_threads=io_threads)
 
 
@@ -832,13 +859,23 @@ def _check_expected(path: Path, header: TableHeader, expect: TableHeader) -> Non
                                  f"{header.dtype}, not the {expect.num_rows} x {expect.dim} {expect.dtype} "
                                  "asked for (another table's file?)")
     if tuple((n, c) for n, c, _ in got[3]) != tuple((n, c) for n, c, _ in want[3]):
-        raise TableMismatchError(f"table file {str(path)!r} carries optimizer state "
-                                 f"{[(n, c) for n, c, _ in got[3]]} ({header.optimizer or 'none'}), not the "
-                                 f"{[(n, c) for n, c, _ in want[3]]} of {expect.optimizer or 'no optimizer'}")
+        raise TableMismatchError(f"table file {str(path)!r} was written by {_optimizer_words(header)}; this "
+                                 f"module uses {_optimizer_words(expect)}. A file keeps the optimizer state it "
+                                 "was created with: train it with its own optimizer, or copy its rows "
+                                 "(cachedemb.open_table + iter_table_rows) into a new file for this one")
     if header.shard != expect.shard:
         raise TableMismatchError(f"table file {str(path)!r} holds {header.describe_shard()}, not the "
                                  f"{expect.describe_shard()} asked for (another rank's file, or a job of another "
                                  "world size or plan: a table on file is not resharded)")
+
+
+def _optimizer_words(header: TableHeader) -> str:
+    """'Adagrad (per-row state: sum, 8 columns)', 'SGD (no per-row state)', 'no optimizer (no per-row state)'."""
+    name = (header.optimizer or "").split("(")[0].strip() or "no optimizer"
+    if not header.state_cols:
+        return f"{name} (no per-row state)"
+    states = ", ".join(f"{n}, {c} column{'s' if c != 1 else ''}" for n, c, _ in header.state_cols)
+    return f"{name} (per-row state: {states})"
 
 
 def _blocks_read() -> int | None:

@@ -387,6 +387,7 @@ def launched_kernels(package: str = "cachedemb.kernels") -> set[str]:
     (`name[grid](...)`): what a recording must cover."""
     pkg = importlib.import_module(package)
     modules = [importlib.import_module(f"{package}.{m.name}") for m in pkgutil.iter_modules(pkg.__path__)]
+    importlib.import_module(f"{package}.lazy_triton").load()  # the kernels' JITFunctions in place of stand-ins
     source = "\n".join(inspect.getsource(m) for m in modules)
     found = set()
     for mod in modules:
@@ -487,7 +488,9 @@ def compile_variant(variant: KernelVariant, arch: int) -> dict:
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    fn = _base_jit(getattr(importlib.import_module(variant.module), variant.name))
+    module = importlib.import_module(variant.module)
+    importlib.import_module("cachedemb.kernels.lazy_triton").load()  # JITFunctions in place of the stand-ins
+    fn = _base_jit(getattr(module, variant.name))
     if not isinstance(fn, JITFunction):
         raise TypeError(f"{variant.kernel} is {type(fn).__name__}, not a JITFunction: unset TRITON_INTERPRET")
     recorded = [name for name, _ in variant.signature]
