@@ -274,3 +274,18 @@ def test_png_puts_small_tables_in_one_panel_under_one_legend(ids, tmp_path, monk
     titles = [ax.get_title() for ax in fig.axes]
     assert len(titles) == 3 and titles[-1].startswith("other: 1 small table\n")
     assert fig.get_layout_engine() is not None  # constrained layout: no gap under the title
+
+
+def test_png_without_matplotlib_is_refused_before_any_work(ids, tmp_path, capsys, monkeypatch):
+    """A user without matplotlib asking for --png gets an argparse error naming the fix, not a traceback after the
+    simulations."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(sizing.plan_module if hasattr(sizing, "plan_module") else sizing, "plan",
+                        lambda *a, **k: pytest.fail("planned before refusing --png"), raising=False)
+    with pytest.raises(SystemExit) as done:
+        main(["--data", str(ids), "--embedding-dim", "8", "--budget", "64KiB", "--png", str(tmp_path / "x.png")])
+    assert done.value.code == 2
+    assert "--png" in capsys.readouterr().err and not (tmp_path / "x.png").exists()

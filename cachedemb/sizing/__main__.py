@@ -7,6 +7,7 @@ curve, `--png` draws the curves with the chosen sizes.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -131,6 +132,8 @@ def _num_rows(text: str):
 def parse_args(argv, p: argparse.ArgumentParser | None = None):
     p = p or build_parser()
     args = p.parse_args(argv)
+    if args.png and importlib.util.find_spec("matplotlib") is None:  # refused before minutes of simulation
+        p.error(f"--png {args.png}: drawing needs matplotlib, which is not installed (pip install matplotlib)")
     try:
         args.budgets = parse_budgets(args.budget)
     except ValueError as e:
