@@ -109,8 +109,8 @@ def simulate(events: list[dict], c: Constants) -> dict:
     another's last op), mark (a named point: the host's time and its stream's clock there, from the step's start,
     in `marks`). Returns the step time and its breakdown."""
     host, steps, steps_start, marks = 0.0, 0, 0.0, []
-    clock = {"compute": 0.0, "side": 0.0}
-    busy = {"compute": 0.0, "side": 0.0}
+    clock = {"compute": 0.0, "side": 0.0, "read_ahead": 0.0}  # read_ahead: the device read-ahead thread's stream
+    busy = {"compute": 0.0, "side": 0.0, "read_ahead": 0.0}
     parts = {"launch_host_s": 0.0, "blocking_copy_s": 0.0, "host_wait_s": 0.0, "row_move_s": 0.0, "kernels_s": 0.0,
              "copies_s": 0.0}
     for e in events:
@@ -465,7 +465,12 @@ def predict(c: Constants, s: Shape, unique: float, hit_rate: float, profile: dic
         kind = read_ahead_kind(prefetch_record)
         ev = cached_events_from_record(s, prefetch_record, unique, hit_rate)
         if kind == "device":
-            ev = device_read_ahead_events(s, c) + ev
+            with_sorts = device_read_ahead_events(s, c)  # one a batch: at each step's start
+            for e in ev:
+                with_sorts.append(e)
+                if e["kind"] == "step_end" and e is not ev[-1]:
+                    with_sorts += device_read_ahead_events(s, c)
+            ev = with_sorts
             out["prefetch"] = {**simulate(ev, c), "read_ahead": {
                 "kind": "device", "on_critical_path": False,
                 "why": "the record's pipeline rule puts a CUDA cache's read-ahead on the device "

@@ -193,6 +193,12 @@ def test_the_current_tree_prefetch_runs_the_device_read_ahead_and_prints_the_rat
                                                                   cur["no_prefetch"]["step_ms"])
     assert set(cur["ratios"]) == {"prefetch/in_memory", "no_prefetch/in_memory", "prefetch/no_prefetch"}
     assert json.loads(out.read_text())["tree"]["commit"]
+    # its sort a batch runs on the read-ahead's own stream, beside the step: the step is the one without it
+    assert cur["prefetch"]["device_busy_ms"]["read_ahead"] > 0
+    m = gm.measured_abfc35d()
+    alone = gm.simulate(gm.cached_events_from_record(gm.Shape(), pre, m["unique_per_batch"], m["hit_rate"]),
+                        gm.load_constants(gm.DEFAULT_KERNELS))
+    assert cur["prefetch"]["step_ms"] == pytest.approx(alone["step_ms"])
 
 
 def test_the_read_ahead_kind_follows_the_pipelines_rule(monkeypatch):
