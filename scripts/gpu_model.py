@@ -12,6 +12,12 @@ pinned rate, the zero-copy rate of a row-copy kernel, kernel rates per op, and t
 gated full ranking's time, which does no work, over its launches). `--row-move` adds bench_kernels --row-move's
 measured constants where a GPU run has written them (pageable copy rate, launch costs, row-move rates).
 
+A prefetched step also has the read-ahead thread (docs/gpu_model.md): at abfc35d the host read-ahead, whose
+next-use query of a window starts after the previous window's admission and which the next admission waits for;
+its rates come from host work measured on a CPU (the read-ahead's own stage timers on the GPU machine's host,
+or scripts/host_read_ahead_bench.py here), never from the step times. A record names the read-ahead a CUDA cache
+gets (the device one at this tree: no host id work on the critical path).
+
 Three steps are modelled:
 - `in_memory`: nn.EmbeddingBag(sparse=True) + torch.optim.SGD with the table in GPU memory;
 - `no_prefetch`, `prefetch`: CachedEmbeddingBag, from a record: `--record` (cachedemb/tools/step_record.py's
