@@ -12,6 +12,12 @@ pinned rate, the zero-copy rate of a row-copy kernel, kernel rates per op, and t
 gated full ranking's time, which does no work, over its launches). `--row-move` adds bench_kernels --row-move's
 measured constants where a GPU run has written them (pageable copy rate, launch costs, row-move rates).
 
+A prefetched step also has the read-ahead thread (docs/gpu_model.md): at abfc35d the host read-ahead, whose
+next-use query of a window starts after the previous window's admission and which the next admission waits for;
+its rates come from host work measured on a CPU (the read-ahead's own stage timers on the GPU machine's host,
+or scripts/host_read_ahead_bench.py here), never from the step times. A record names the read-ahead a CUDA cache
+gets (the device one at this tree: no host id work on the critical path).
+
 Three steps are modelled:
 - `in_memory`: nn.EmbeddingBag(sparse=True) + torch.optim.SGD with the table in GPU memory;
 - `no_prefetch`, `prefetch`: CachedEmbeddingBag, from a record: `--record` (cachedemb/tools/step_record.py's
@@ -35,6 +41,7 @@ DEFAULT_KERNELS = GPU_RESULTS / "kernels_h200_99809bc.json"
 DEFAULT_PROFILE = GPU_RESULTS / "profile_step_h200_abfc35d.json"
 DEFAULT_STEPS = (GPU_RESULTS / "embedding_bag_step_h200_abfc35d.json",
                  GPU_RESULTS / "embedding_bag_step_prefetch_h200_abfc35d.json")
+HOST_READ_AHEAD_BENCH = ROOT / "benchmarks" / "results" / "host_read_ahead_cpu.json"
 GATED_RANKING_LAUNCHES = 30  # launches of bench_kernels' full_ranking_gate_closed (counted: step_record on CPU)
 NO_RUNTIME_CALL = ("empty", "empty_strided", "empty_like")  # allocations (any overload): no launch
 TOLERANCE = 0.20
@@ -105,10 +112,11 @@ def load_constants(kernels_path, row_move_path=None) -> Constants:
 def simulate(events: list[dict], c: Constants) -> dict:
     """Run the events through the host / stream timeline. Event kinds: launch (bytes, rate or seconds),
     row_move (in_bytes, out_bytes: over the link), copy (bytes, pinned), host_read, wait (stream waits for
-    another's last op). Returns the step time and its breakdown."""
-    host, steps = 0.0, 0
-    clock = {"compute": 0.0, "side": 0.0}
-    busy = {"compute": 0.0, "side": 0.0}
+    another's last op), mark (a named point: the host's time and its stream's clock there, from the step's start,
+    in `marks`). Returns the step time and its breakdown."""
+    host, steps, steps_start, marks = 0.0, 0, 0.0, []
+    clock = {"compute": 0.0, "side": 0.0, "read_ahead": 0.0}  # read_ahead: the device read-ahead thread's stream
+    busy = {"compute": 0.0, "side": 0.0, "read_ahead": 0.0}
     parts = {"launch_host_s": 0.0, "blocking_copy_s": 0.0, "host_wait_s": 0.0, "row_move_s": 0.0, "kernels_s": 0.0,
              "copies_s": 0.0}
     for e in events:
@@ -118,9 +126,12 @@ def simulate(events: list[dict], c: Constants) -> dict:
         if kind == "wait":
             clock[stream] = max(clock[stream], clock[e["on"]])
             continue
+        if kind == "mark":  # a point of the step others wait on: the host's time and the stream's there
+            marks.append({"name": e["name"], "host_s": host - steps_start, "device_s": clock[stream] - steps_start})
+            continue
         if kind == "step_end":  # the benchmark's synchronize: every stream, then the next step
             host = max([host] + list(clock.values())) + c.sync_s
-            steps += 1
+            steps, steps_start = steps + 1, host
             continue
         if kind == "host_read":
             host += c.sync_s
@@ -151,7 +162,7 @@ def simulate(events: list[dict], c: Constants) -> dict:
     if events and events[-1]["kind"] != "step_end":  # the benchmark synchronizes after each step
         end, steps = end + c.sync_s, steps + 1
     n = max(1, steps)  # per step, over the events' steps
-    return {"step_ms": end / n * 1e3, "steps": n, "host_ms": host / n * 1e3,
+    return {"step_ms": end / n * 1e3, "steps": n, "host_ms": host / n * 1e3, "marks": marks,
             "device_busy_ms": {k: v / n * 1e3 for k, v in busy.items()},
             **{k.replace("_s", "_ms"): v / n * 1e3 for k, v in parts.items()}}
 
@@ -244,11 +255,13 @@ CONST_SORT_PER_LOOKUP = [0.0]  # set from the constants (the torch unique_ids ti
 
 
 def cached_events_from_profile(s: Shape, profile_run: dict, unique: float, hit_rate: float,
-                               before_move: int) -> list[dict]:
+                               before_move: int, prefetch: bool = False) -> list[dict]:
     """A CachedEmbeddingBag step at abfc35d from its profile's counts: runtime calls per step (launches,
     memsets, copies), `before_move` of them issued before the row move, the row move's rows (misses in, as many
     dirty victims out), forward and backward at their microbenchmark rates. Host reads: the synchronizations the
-    profile counts (event syncs: the host waits for the device)."""
+    profile counts (event syncs: the host waits for the device). With `prefetch`: the event syncs are the host
+    read-ahead thread's (it waits for the slot snapshot's copy before its next-use query), not the training
+    thread's, and a `snapshot` mark follows the window's admission (its row move): the query starts there."""
     calls = profile_run["runtime_calls_per_step"]
     launches = calls.get("cuLaunchKernelEx", 0) + calls.get("cudaLaunchKernel", 0) + calls.get("cudaMemsetAsync", 0)
     copies = calls.get("cudaMemcpyAsync", 0)
@@ -265,9 +278,11 @@ def cached_events_from_profile(s: Shape, profile_run: dict, unique: float, hit_r
     ev += [{"kind": "launch", "name": "small", "bytes": per_small} for _ in range(min(head, round(small)))]
     ev.append({"kind": "launch", "name": "unique_ids", "seconds": s.lookups * CONST_UNIQUE_PER_LOOKUP[0],
                "runtime_call": False})
-    for _ in range(round(syncs)):
+    for _ in range(0 if prefetch else round(syncs)):
         ev.append({"kind": "host_read", "name": "event_synchronize"})
     ev.append({"kind": "row_move", "in_bytes": moves * row, "out_bytes": moves * row})
+    if prefetch:
+        ev.append({"kind": "mark", "name": "snapshot"})
     ev.append({"kind": "launch", "name": "pooled_forward", "bytes": forward_bytes(s), "rate": "pooled_forward"})
     ev.append({"kind": "launch", "name": "backward_update", "bytes": backward_bytes(s, unique),
                "rate": "backward_update"})
@@ -324,24 +339,165 @@ def cached_events_from_record(s: Shape, record: dict, unique: float, hit_rate: f
     return [e for st in steps for e in st]
 
 
+# ----------------------------------------------------------------------------------------------- read-ahead
+@dataclass
+class HostReadAhead:
+    """The host read-ahead thread's work (ReadAhead): thread seconds per lookup entered (a batch's sort, the
+    next-use tracker, the window plan) and per slot id of a window's next-use query. `query_waits_snapshot`: the
+    query's seconds include the thread's (spinning) wait for the slot snapshot's copy, which a run on a GPU
+    measures and a CPU run has not."""
+
+    enter_s_per_lookup: float
+    query_s_per_slot: float
+    query_waits_snapshot: bool
+    batches_per_window: float
+    source: str
+
+
+def load_host_bench(path=HOST_READ_AHEAD_BENCH, tree: str = "abfc35d", lookups: int | None = None) -> dict:
+    """One measurement of host_read_ahead_bench.py's JSON: the tree's run at `lookups` (else its largest)."""
+    d = json.loads(Path(path).read_text())
+    trees = [m for m in d["measurements"] if m["tree"]["label"] == tree]
+    if not trees:
+        raise ValueError(f"{path}: no measurement of tree {tree!r} (have "
+                         f"{[m['tree']['label'] for m in d['measurements']]})")
+    runs = trees[0]["runs"]
+    run = next((r for r in runs if r["shape"]["lookups"] == lookups), max(runs, key=lambda r: r["shape"]["lookups"]))
+    return {"run": run, "tree": trees[0]["tree"], "machine": trees[0]["machine"]}
+
+
+def host_read_ahead_from_bench(path=HOST_READ_AHEAD_BENCH, tree: str = "abfc35d",
+                               lookups: int | None = None) -> HostReadAhead:
+    """The host read-ahead's rates as host_read_ahead_bench.py measured them on a CPU (no device: the query's
+    seconds are its own work)."""
+    m = load_host_bench(path, tree, lookups)
+    r = m["run"]
+    return HostReadAhead(r["enter_ns_per_lookup"] * 1e-9, r["query_ns_per_slot_id"] * 1e-9, False,
+                         r["batches_per_window"],
+                         f"{Path(path).name}: tree {tree}, {m['machine']['processor']} "
+                         f"({m['machine']['cpu_threads']} threads), {r['shape']['lookups']} lookups a batch")
+
+
+def host_read_ahead_from_stage_timers(step_json, s: Shape, batches_per_window: float) -> HostReadAhead:
+    """The host read-ahead's rates on the GPU machine's host, from the read-ahead thread's own stage timers in a
+    run there (bench_embedding_bag.py's `cache_seconds`: thread time of prefetch_unique, prefetch_next_use,
+    prefetch_window_plan, prefetch_next_use_query): host work measured on that host's CPU, not the step times.
+    Every batch of the trace is entered once; one query per window (`batches_per_window`, from the CPU
+    microbenchmark at this shape)."""
+    d = json.loads(Path(step_json).read_text())
+    run, cfg = d["runs"][0], d["config"]
+    sec = run["cache_seconds"]
+    batches = cfg["warmup"] + cfg["steps"]
+    windows = batches / batches_per_window
+    enter = sum(sec[k] for k in ("prefetch_unique", "prefetch_next_use", "prefetch_window_plan"))
+    return HostReadAhead(enter / batches / s.lookups, sec["prefetch_next_use_query"] / windows / run["cache_rows"],
+                         True, batches_per_window,
+                         f"{Path(step_json).name}: cache_seconds (read-ahead thread time on {d['machine']['device']}'s "
+                         f"host) over {batches} batches, {windows:g} windows")
+
+
+def with_host_read_ahead(train: dict, ra: HostReadAhead, s: Shape, cache_rows: int, trace_batches: int | None,
+                         depth: int) -> dict:
+    """The prefetched step with the host read-ahead thread as a resource: the training thread's step `train`
+    (simulated), the query chain (a window's next-use query starts at the `snapshot` mark, after its admission,
+    and the next window's admission waits for it) and the thread's whole work per step (enters + queries);
+    the step is the largest. A trace no longer than the read-ahead distance (horizon + 2 depth) is entered in
+    the first fill, before the first query: its timed steps see the queries only."""
+    query = cache_rows * ra.query_s_per_slot
+    horizon = max(depth, 16)  # bench_embedding_bag.py's prefetch
+    front_loaded = trace_batches is not None and trace_batches <= horizon + 2 * depth + 1
+    enter = 0.0 if front_loaded else s.lookups * ra.enter_s_per_lookup
+    thread = enter + query / ra.batches_per_window
+    snap = next((m for m in train["marks"] if m["name"] == "snapshot"), None)
+    if snap is None:  # no admission point recorded: the query is not placed, only the thread's load counts
+        chain = thread
+    else:
+        begin = snap["host_s"] if ra.query_waits_snapshot else max(snap["host_s"], snap["device_s"])
+        chain = (begin + query) / ra.batches_per_window
+    parts = {"training_thread_ms": train["step_ms"], "read_ahead_chain_ms": chain * 1e3,
+             "read_ahead_thread_ms": thread * 1e3}
+    bound = max(parts, key=parts.get)
+    return {**train, "step_ms": parts[bound], "bound": bound.replace("_ms", ""),
+            "read_ahead": {"kind": "host", **parts, "query_ms_per_window": query * 1e3,
+                           "enter_ms_per_batch": s.lookups * ra.enter_s_per_lookup * 1e3,
+                           "enters_before_timed_steps": front_loaded, "source": ra.source}}
+
+
+def device_read_ahead_events(s: Shape, c: Constants) -> list[dict]:
+    """The device read-ahead's work a batch (device_read_ahead.py): one sort of the batch's ids, priced at the
+    torch sort time per lookup, on the read-ahead thread's own stream; its launches are that thread's host cost,
+    not the training thread's. Its unions and next uses (binary searches into the sorted ids) are not priced."""
+    return [{"kind": "launch", "name": "device_read_ahead_sort", "stream": "read_ahead", "runtime_call": False,
+             "seconds": s.lookups * c.kernel_time["sort_torch"]}]
+
+
+def read_ahead_kind(record: dict) -> str:
+    """Which read-ahead the pipeline uses for a CUDA cache: the record's (step_record.read_ahead_kinds), else
+    the pipeline's rule now."""
+    kinds = record.get("read_ahead")
+    if kinds:
+        return kinds["cuda_cache"]
+    from cachedemb.tools.step_record import read_ahead_kinds
+
+    import torch
+
+    return read_ahead_kinds(type("Cache", (), {"device": torch.device("cpu")})())["cuda_cache"]
+
+
 # ----------------------------------------------------------------------------------------------- report
 def predict(c: Constants, s: Shape, unique: float, hit_rate: float, profile: dict | None = None,
-            record: dict | None = None, prefetch_record: dict | None = None, before_move: int = 84) -> dict:
+            record: dict | None = None, prefetch_record: dict | None = None, before_move: int = 84,
+            host_read_ahead: HostReadAhead | None = None, cache_rows: int | None = None,
+            trace_batches: int | None = None, depth: int = 4) -> dict:
+    """Each step's timeline. A prefetched step at abfc35d (`profile`) ran the host read-ahead: with
+    `host_read_ahead` given, its thread is a resource of the step (`with_host_read_ahead`). A prefetched step from
+    a record runs the read-ahead the record names for a CUDA cache: the device one puts a sort a batch on its own
+    stream; the host one (CACHEDEMB_READ_AHEAD=host) needs `host_read_ahead`."""
     CONST_SORT_PER_LOOKUP[0] = c.kernel_time["sort_torch"]
     CONST_UNIQUE_PER_LOOKUP[0] = c.kernel_time["unique_ids"]
+    cache_rows = cache_rows if cache_rows is not None else round(0.01 * s.rows)
     out = {"in_memory": simulate(in_memory_events(s, unique), c)}
     if profile is not None:
         runs = {r["prefetch_depth"]: r for r in profile["runs"]}
         out["no_prefetch"] = simulate(cached_events_from_profile(s, runs[0], unique, hit_rate, before_move), c)
-        if 4 in runs:
-            out["prefetch"] = simulate(cached_events_from_profile(s, runs[4], unique, hit_rate, before_move), c)
+        if depth in runs:
+            train = simulate(cached_events_from_profile(s, runs[depth], unique, hit_rate, before_move,
+                                                        prefetch=host_read_ahead is not None), c)
+            out["prefetch"] = (with_host_read_ahead(train, host_read_ahead, s, cache_rows, trace_batches, depth)
+                               if host_read_ahead is not None else train)
     if record is not None:
         out["no_prefetch"] = simulate(cached_events_from_record(s, record, unique, hit_rate), c)
     if prefetch_record is not None:
-        out["prefetch"] = simulate(cached_events_from_record(s, prefetch_record, unique, hit_rate), c)
+        kind = read_ahead_kind(prefetch_record)
+        ev = cached_events_from_record(s, prefetch_record, unique, hit_rate)
+        if kind == "device":
+            with_sorts = device_read_ahead_events(s, c)  # one a batch: at each step's start
+            for e in ev:
+                with_sorts.append(e)
+                if e["kind"] == "step_end" and e is not ev[-1]:
+                    with_sorts += device_read_ahead_events(s, c)
+            ev = with_sorts
+            out["prefetch"] = {**simulate(ev, c), "read_ahead": {
+                "kind": "device", "on_critical_path": False,
+                "why": "the record's pipeline rule puts a CUDA cache's read-ahead on the device "
+                       "(device_read_ahead.py): no host id work a batch; its sort runs on its own stream"}}
+        elif host_read_ahead is None:
+            raise ValueError("the record's read-ahead for a CUDA cache is 'host': give host_read_ahead")
+        else:
+            out["prefetch"] = with_host_read_ahead(simulate(ev, c), host_read_ahead, s, cache_rows, trace_batches,
+                                                   depth)
     ref = out["in_memory"]["step_ms"]
     for v in out.values():
         v["ratio_to_in_memory"] = v["step_ms"] / ref
+    return out
+
+
+def ratios(pred: dict) -> dict:
+    """The ratios the bar is stated in: prefetch and no prefetch over in memory, prefetch over no prefetch."""
+    out = {f"{k}/in_memory": pred[k]["step_ms"] / pred["in_memory"]["step_ms"] for k in ("prefetch", "no_prefetch")
+           if k in pred}
+    if "prefetch" in pred and "no_prefetch" in pred:
+        out["prefetch/no_prefetch"] = pred["prefetch"]["step_ms"] / pred["no_prefetch"]["step_ms"]
     return out
 
 
@@ -352,19 +508,40 @@ def measured_abfc35d(steps=DEFAULT_STEPS) -> dict:
             "unique_per_batch": plain["unique_per_batch"]}
 
 
-def calibration(kernels=DEFAULT_KERNELS, profile=DEFAULT_PROFILE, steps=DEFAULT_STEPS) -> dict:
+def prefetch_inputs(steps=DEFAULT_STEPS) -> dict:
+    """The prefetch run's configuration (inputs): depth, batches in its trace, cache rows."""
+    d = json.loads(Path(steps[1]).read_text())
+    return {"depth": d["config"]["prefetch"], "trace_batches": d["config"]["warmup"] + d["config"]["steps"],
+            "cache_rows": d["runs"][0]["cache_rows"]}
+
+
+def calibration(kernels=DEFAULT_KERNELS, profile=DEFAULT_PROFILE, steps=DEFAULT_STEPS,
+                host_bench=HOST_READ_AHEAD_BENCH) -> dict:
     """The abfc35d steps predicted from its profile's counts and the microbenchmarks' constants, beside what was
-    measured; `within` per step: |predicted / measured - 1| <= TOLERANCE."""
+    measured; `within` per step: |predicted / measured - 1| <= TOLERANCE. The prefetch step's host read-ahead is
+    priced by its stage timers on the H200's host (`host_read_ahead_from_stage_timers`); the same step priced
+    with this CPU's microbenchmark rates (host_read_ahead_bench.py, abfc35d's code) is given beside it."""
     c = load_constants(kernels)
     m = measured_abfc35d(steps)
-    pred = predict(c, Shape(), m["unique_per_batch"], m["hit_rate"], profile=json.loads(Path(profile).read_text()))
+    s = Shape()
+    pin = prefetch_inputs(steps)
+    bench = host_read_ahead_from_bench(host_bench, "abfc35d", s.lookups)
+    ra = host_read_ahead_from_stage_timers(steps[1], s, bench.batches_per_window)
+    prof = json.loads(Path(profile).read_text())
+    args = dict(profile=prof, cache_rows=pin["cache_rows"], trace_batches=pin["trace_batches"], depth=pin["depth"])
+    pred = predict(c, s, m["unique_per_batch"], m["hit_rate"], host_read_ahead=ra, **args)
     rows = {}
     for k, v in pred.items():
         err = v["step_ms"] / m[k] - 1
         rows[k] = {"predicted_ms": v["step_ms"], "measured_ms": m[k], "error": err,
                    "within": abs(err) <= TOLERANCE, "breakdown": v}
-    return {"constants": vars(c), "measured_inputs": {"hit_rate": m["hit_rate"],
-                                                      "unique_per_batch": m["unique_per_batch"]}, "steps": rows}
+    this_cpu = predict(c, s, m["unique_per_batch"], m["hit_rate"], host_read_ahead=bench, **args)["prefetch"]
+    return {"constants": vars(c), "host_read_ahead": vars(ra),
+            "measured_inputs": {"hit_rate": m["hit_rate"], "unique_per_batch": m["unique_per_batch"], **pin},
+            "steps": rows,
+            "prefetch_at_this_cpus_rates": {"predicted_ms": this_cpu["step_ms"],
+                                            "error": this_cpu["step_ms"] / m["prefetch"] - 1,
+                                            "host_read_ahead": vars(bench), "read_ahead": this_cpu["read_ahead"]}}
 
 
 def main(argv=None):
@@ -376,25 +553,50 @@ def main(argv=None):
                    help="bench_embedding_bag.py JSONs: measured steps (compared) and hit rate (an input)")
     p.add_argument("--record", help="step_record JSON (no prefetch) of the tree to predict")
     p.add_argument("--prefetch-record", help="step_record JSON with prefetch")
+    p.add_argument("--host-read-ahead", default=str(HOST_READ_AHEAD_BENCH),
+                   help="host_read_ahead_bench.py JSON (the host read-ahead's rates on a CPU)")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    for path in [args.kernels, args.profile, *args.steps] + [x for x in (args.record, args.prefetch_record,
-                                                                           args.row_move) if x]:
+    for path in [args.kernels, args.profile, args.host_read_ahead, *args.steps] + [
+            x for x in (args.record, args.prefetch_record, args.row_move) if x]:
         if not Path(path).is_file():
             p.error(f"{path}: no such file (expected a JSON written by the scripts named in --help)")
-    report = {"calibration_abfc35d": calibration(args.kernels, args.profile, args.steps)}
+    report = {"tree": git_tree(),
+              "calibration_abfc35d": calibration(args.kernels, args.profile, args.steps, args.host_read_ahead)}
     if args.record:
         c = load_constants(args.kernels, args.row_move)
         m = measured_abfc35d(args.steps)
         rec = json.loads(Path(args.record).read_text())
         pre = json.loads(Path(args.prefetch_record).read_text()) if args.prefetch_record else None
-        report["current_tree"] = predict(c, Shape(), m["unique_per_batch"], m["hit_rate"], record=rec,
-                                         prefetch_record=pre)
+        host = None
+        if pre is not None and read_ahead_kind(pre) == "host":  # CACHEDEMB_READ_AHEAD=host: this tree's rates
+            host = host_read_ahead_from_bench(args.host_read_ahead, "current", Shape().lookups)
+        pin = prefetch_inputs(args.steps)
+        pred = predict(c, Shape(), m["unique_per_batch"], m["hit_rate"], record=rec, prefetch_record=pre,
+                       host_read_ahead=host, cache_rows=pin["cache_rows"], trace_batches=pin["trace_batches"],
+                       depth=pin["depth"])
+        report["current_tree"] = {**pred, "ratios": ratios(pred),
+                                  "records": [Path(x).name for x in (args.record, args.prefetch_record) if x]}
     text = json.dumps(report, indent=1, default=float)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
     return report
+
+
+def git_tree() -> dict:
+    """The commit this ran at, and whether the tree had changes beside it."""
+    import subprocess
+
+    def git(*a):
+        try:
+            return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 
 if __name__ == "__main__":

@@ -184,8 +184,25 @@ def record_step(bags: int = 64, bag_len: int = 26, num_rows: int = 200_000, cach
         if prefetch:
             it.close()
     moved = {k: (after[k] - before[k]) / steps for k in ("rows_in", "rows_out", "unique", "hits", "lookups")}
-    return summarize(per_step, moved, dict(bags=bags, bag_len=bag_len, num_rows=num_rows, cache_rows=cache_rows,
-                                           dim=dim, prefetch=prefetch, steps=steps))
+    out = summarize(per_step, moved, dict(bags=bags, bag_len=bag_len, num_rows=num_rows, cache_rows=cache_rows,
+                                          dim=dim, prefetch=prefetch, steps=steps))
+    if prefetch:
+        out["read_ahead"] = read_ahead_kinds(emb.cache)
+    return out
+
+
+def read_ahead_kinds(cache) -> dict:
+    """Which read-ahead the pipeline runs (its own rule, pipeline.read_ahead_on_device): for the recorded cache
+    and for the same cache on a CUDA device (the GPU step the record predicts): 'host' (ReadAhead, the id work on
+    a host thread) or 'device' (DeviceReadAhead)."""
+    from types import SimpleNamespace
+
+    from cachedemb.prefetch.pipeline import read_ahead_on_device
+
+    def kind(device):
+        return "device" if read_ahead_on_device([SimpleNamespace(device=device)]) else "host"
+
+    return {"recorded": kind(cache.device), "cuda_cache": kind(torch.device("cuda", 0))}
 
 
 def summarize(per_step: list[StepEvents], moved: dict, shape: dict) -> dict:
