@@ -638,7 +638,9 @@ class CachedEmbeddingBagCollection(CollectionInputs, nn.Module):
     def cache_stats(self) -> dict:
         """CachedEmbeddingBag.cache_stats summed over the groups (nested `seconds`, and `host_cache` / `file` of
         tables on file, too), `hit_rate` from the sums; a host sync on CUDA."""
-        return sum_stats([bag.cache_stats() for bag in self.bags])
+        total = sum_stats([bag.cache_stats() for bag in self.bags])
+        total.setdefault("seconds", {})  # a collection without groups still answers with its (empty) timings
+        return total
 
     def reset_cache_stats(self) -> None:
         for bag in self.bags:
