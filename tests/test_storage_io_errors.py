@@ -31,7 +31,7 @@ CHILD = textwrap.dedent(r"""
     weight = torch.randn(N, D)
 
     def ours(reopen=False, recover=False):
-        return cachedemb.CachedEmbeddingBag(N, D, cache_ratio=0.01, optimizer=spec, _weight=None if reopen else
+        return cachedemb.CachedEmbeddingBag(N, D, cache_ratio=0.1, optimizer=spec, _weight=None if reopen else
                                             weight.clone(), storage=cachedemb.FileStorage(
                                                 path, host_cache_bytes=N * record // 16 + 4 * N, log=log,
                                                 recover=recover))
@@ -43,7 +43,7 @@ CHILD = textwrap.dedent(r"""
         (out * torch.randn(out.shape, generator=g)).sum().backward()
         return out.detach()
 
-    ref = cachedemb.CachedEmbeddingBag(N, D, cache_ratio=0.01, optimizer=spec, _weight=weight.clone())
+    ref = cachedemb.CachedEmbeddingBag(N, D, cache_ratio=0.1, optimizer=spec, _weight=weight.clone())
     m = ours()
     for k in range(3):
         assert torch.equal(step(ref, k), step(m, k))

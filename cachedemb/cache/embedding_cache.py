@@ -201,6 +201,9 @@ class EmbeddingCache:
         # False behind a layer that maps ids to this cache's rows (raw ids, a host tier): its forwards may miss
         # inside a window for reasons of its own, and the layer compares the ids itself.
         self.window_misses_mean_other_ids = True
+        # Under the CUDA rules, the [1] miss count of the last announced forward inside a window (a view of that
+        # batch's buffers), for the pipeline to copy without blocking at the next window start.
+        self.window_forward_misses: torch.Tensor | None = None
         self._windows: list[torch.Tensor] = []  # slots (loc_u) of the prefetch windows protected now
         # Slots beyond `cache_rows` where a prefetch loop stages the next window's rows while the current one
         # computes (`reserve_staging`, docs/prefetch.md); `capacity` counts them, `cache_rows` does not.
@@ -444,7 +447,7 @@ class EmbeddingCache:
             move = RowMove(*move)
             self._move_rows(move, add=bufs.add if train else None)
         elif train and self.window_misses_mean_other_ids:  # every id of the window was read ahead: a miss means
-            self.unread_ahead.add_(n_miss)                    # the forward's ids differ
+            self.window_forward_misses = n_miss                # the forward's ids differ (kept, not added: no launch)
         self._count_window_misses(loc_u, move if admit else None)
         plan = BatchPlan(uniq, inverse, counts, n_uniq, loc_u, self.generation, groups, bufs.bag)
         return self._finish_prepare(plan, train, start)

@@ -2,8 +2,9 @@
 
 The caches count, as they place an announced forward, the lookups that were not read ahead (misses inside an
 admitted window, a hand-off whose ids differed: comparisons they make anyway). Where counts live on the host the
-count is read after each batch; under the CUDA rules it is copied to pinned memory at window starts without
-blocking and read once landed (`MissEstimate`), so the check never waits for the device.
+count is read after each batch; under the CUDA rules the last in-window forward's miss count (a view, no launch)
+is copied to pinned memory at the next window start without blocking and read once landed (`MissEstimate`), so
+the check never waits for the device and adds no launch to a step; every count is read at the loop's end.
 """
 from __future__ import annotations
 
@@ -44,13 +45,18 @@ class IdsMismatchCheck:
                 continue
             if self.landed[c].value():
                 self._warn(c)
-            self.landed[c].push(cache.unread_ahead)
+            misses, cache.window_forward_misses = cache.window_forward_misses, None
+            if misses is not None:
+                self.landed[c].push(misses)
 
     def at_end(self) -> None:
         """When the loop ends: every count read (a device's too: the loop is over, nothing waits behind it)."""
         for c, cache in enumerate(self.caches):
-            if int(cache.unread_ahead.cpu()):
+            last = cache.window_forward_misses
+            landed = self.landed[c].value() if self.landed[c] is not None else None
+            if int(cache.unread_ahead.cpu()) or landed or (last is not None and int(last.cpu())):
                 self._warn(c)
+            cache.window_forward_misses = None
 
     def _warn(self, c: int) -> None:
         module = self.modules[self.cache_module[c]]
