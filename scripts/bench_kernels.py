@@ -31,7 +31,6 @@ import importlib
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -40,6 +39,10 @@ import torch
 
 from cachedemb import kernels
 from cachedemb.cache.policy import SlotView, lfu
+
+# sibling scripts (scripts/ is sys.path[0] when this runs): the row-move benchmark, and the timer both benchmarks use
+import row_move_bench
+from row_move_bench import Timer
 
 # Peak HBM bandwidth by device-name fragment (first match).
 PEAK_BW = (("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("H200", 4.8e12), ("A100", 2.0e12))
@@ -102,30 +105,6 @@ def zipf_ids(n, num_rows, alpha, gen, device):
         rank = ((num_rows**a - 1.0) * u + 1.0).pow(1.0 / a)
     rank = rank.floor().to(torch.int64).clamp_(0, num_rows - 1)
     return (rank * 2_654_435_761 % num_rows).to(device)  # prime multiplier: a permutation of [0, num_rows)
-
-
-class Timer:
-    def __init__(self, device, reps):
-        self.device, self.reps = device, reps
-
-    def median_s(self, fn):
-        fn()  # warm-up (compiles the kernel)
-        if self.device.type != "cuda":
-            times = []
-            for _ in range(self.reps):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times)
-        torch.cuda.synchronize()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(self.reps)]
-        for start, end in events:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in events) / 1e3
 
 
 def pinned_h2d_bandwidth(timer, nbytes=256 << 20):
@@ -251,7 +230,7 @@ def ops(args, b, device):
 
 def run(args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    timer = Timer(device, args.reps)
+    timer = Timer(device.type == "cuda", args.reps)
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "small": args.small, "table_rows": args.table_rows,
             "cache_rows": int(args.cache_ratio * args.table_rows), "dim": args.dim, "dtype": args.dtype,
@@ -354,9 +333,6 @@ def run_aot(args):
 def main(argv=None):
     args = parse_args(argv)
     if args.row_move:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import row_move_bench
-
         return row_move_bench.run(args)
     if args.aot:
         run_aot(args)
